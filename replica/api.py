@@ -1,0 +1,255 @@
+"""The front door: ``plan`` and ``auto_parallel`` tie tracing, partitioning and the runtime."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from replica.errors import ConfigError, PipelineError
+from replica.partition.cost import CostModel, DeviceSpec, device_spec
+from replica.partition.partitioner import MemoryModel, partition
+from replica.partition.plan import Plan
+from replica.partition.split import StageModule, split
+from replica.partition.trace import Traced, normalize_inputs, trace
+from replica.pipeline import microbatch
+from replica.pipeline.local import LocalRuntime
+from replica.pipeline.schedule import SCHEDULES, make_schedule
+
+__all__ = ["auto_parallel", "plan", "PipelineModel"]
+
+DeviceLike = "str | DeviceSpec | None"
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _check_count(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def _check_schedule(schedule: str) -> str:
+    if not isinstance(schedule, str):
+        raise ConfigError(f"schedule must be a string, got {type(schedule).__name__}")
+    name = schedule.lower()
+    if name == "auto":
+        return "1f1b"  # the measured default until the tuner chooses
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES) + ['auto']}")
+    return name
+
+
+def _default_device(model: torch.nn.Module) -> str:
+    for p in model.parameters():
+        if p.device.type == "cuda":
+            gpu = torch.cuda.get_device_name(p.device).lower()
+            return "h100-80gb" if "h100" in gpu or "h200" in gpu else "a100-80gb"
+        break
+    return "cpu"
+
+
+def _model_dtype(model: torch.nn.Module) -> str:
+    counts: collections.Counter[str] = collections.Counter()
+    for p in model.parameters():
+        counts[str(p.dtype).removeprefix("torch.")] += p.numel()
+    return counts.most_common(1)[0][0] if counts else "float32"
+
+
+def _default_microbatches(batch: int, num_stages: int) -> int:
+    """The largest divisor of the batch up to 4 × num_stages (bubble under 20%); 1 without a pipeline."""
+    if num_stages == 1:
+        return 1
+    return max(d for d in range(1, min(batch, 4 * num_stages) + 1) if batch % d == 0)
+
+
+def _make_plan(
+    traced: Traced,
+    model: torch.nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    num_stages: int,
+    num_microbatches: int | None,
+    schedule: str,
+    device: "str | DeviceSpec | None",
+) -> Plan:
+    batch = microbatch.batch_size(inputs, "example_inputs")
+    m = num_microbatches or _default_microbatches(batch, num_stages)
+    if m > batch:
+        raise ConfigError(
+            f"num_microbatches={m} but example_inputs have a batch of {batch}: each micro-batch needs at least "
+            f"one sample. Use num_microbatches <= {batch}, or trace with a larger batch."
+        )
+    spec = device_spec(device if device is not None else _default_device(model))
+    cost_model = CostModel(spec, dtype=_model_dtype(model))
+    return partition(traced.graph, cost_model, num_stages=num_stages, num_microbatches=m,
+                     schedule=schedule, memory_model=MemoryModel())
+
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    world_size: int | None = None,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+    schedule: str = "1f1b",
+    device: "str | DeviceSpec | None" = None,
+    leaf_modules: Iterable[type | str] = (),
+) -> Plan:
+    """Plan only: trace ``model`` (meta tensors welcome), price it on ``device`` and cut it.
+
+    ``num_stages`` defaults to ``world_size`` (one stage per device), else 1.
+    """
+    _check_count("world_size", world_size)
+    _check_count("num_stages", num_stages)
+    _check_count("num_microbatches", num_microbatches)
+    schedule = _check_schedule(schedule)
+    traced = trace(model, example_inputs, leaf_modules=leaf_modules)
+    inputs, _ = normalize_inputs(model, example_inputs)
+    stages = num_stages or world_size or 1
+    return _make_plan(traced, model, inputs, num_stages=stages, num_microbatches=num_microbatches,
+                      schedule=schedule, device=device)
+
+
+def auto_parallel(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+    schedule: str = "1f1b",
+    loss_fn: LossFn | None = None,
+    loss_reduction: str = "mean",
+    device: "str | DeviceSpec | None" = None,
+    leaf_modules: Iterable[type | str] = (),
+    plan: Plan | None = None,
+) -> "PipelineModel":
+    """Trace, price, partition and split ``model`` into a pipeline.
+
+    ``loss_fn(output, target)`` must return the loss of a micro-batch reduced as
+    ``loss_reduction`` says (``"mean"`` over the samples, as the default of torch's
+    losses, or ``"sum"``); the pipeline weighs micro-batches so the gradient equals
+    the whole batch's. ``plan`` reuses a plan (e.g. ``Plan.from_json``) instead of
+    solving again. The stages share the model's parameters: optimise
+    ``pm.parameters()`` (or the model's own).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(
+            f"{type(model).__name__} has no parameters: there is nothing to train, so nothing to pipeline. "
+            "Pass the model that owns the weights (or run it directly)."
+        )
+    _check_count("num_stages", num_stages)
+    _check_count("num_microbatches", num_microbatches)
+    schedule = _check_schedule(schedule)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError(f"loss_fn must be callable(output, target) -> scalar tensor, got {type(loss_fn).__name__}")
+    if loss_reduction not in ("mean", "sum"):
+        raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    traced = trace(model, example_inputs, leaf_modules=leaf_modules)
+    inputs, _ = normalize_inputs(model, example_inputs)
+    if plan is None:
+        stages = num_stages or 1
+        plan = _make_plan(traced, model, inputs, num_stages=stages, num_microbatches=num_microbatches,
+                          schedule=schedule, device=device)
+    return PipelineModel(model, traced, plan, num_inputs=len(inputs), loss_fn=loss_fn,
+                         loss_reduction=loss_reduction)
+
+
+class PipelineModel:
+    """A model cut into pipeline stages; call it like the model, train it with ``train_step``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        traced: Traced,
+        plan: Plan,
+        *,
+        num_inputs: int,
+        loss_fn: LossFn | None,
+        loss_reduction: str,
+    ) -> None:
+        self.model = model
+        self.plan = plan
+        self.loss_fn = loss_fn
+        self.loss_reduction = loss_reduction
+        self.num_inputs = num_inputs
+        self.stages: list[StageModule] = split(traced, plan)
+        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
+        self.runtime = LocalRuntime(self.stages, self.schedule)
+        self.pipeline_rank = 0
+        self.data_parallel_rank = 0
+        self.data_parallel_size = plan.data_parallel_size
+
+    # --- running ---------------------------------------------------------------------
+    def _inputs(self, inputs: Any) -> tuple[Any, ...]:
+        args = inputs if isinstance(inputs, tuple) else tuple(inputs) if isinstance(inputs, list) else (inputs,)
+        if len(args) != self.num_inputs:
+            raise ConfigError(
+                f"the pipeline was traced with {self.num_inputs} input(s) but got {len(args)}; pass the same "
+                "arguments as example_inputs (a tensor, or a tuple with one tensor per input)"
+            )
+        return args
+
+    def _microbatches(self, args: tuple[Any, ...], what: str = "inputs") -> list[tuple[Any, ...]]:
+        return microbatch.split(args, self.plan.num_microbatches, what)
+
+    def __call__(self, *inputs: Any) -> Any:
+        """Pipelined forward; the output backpropagates into the model like ``model(*inputs)``'s."""
+        args = self._inputs(inputs)
+        return microbatch.merge(self.runtime.forward(self._microbatches(args)))
+
+    def train_step(self, inputs: Any, target: Any) -> torch.Tensor:
+        """Forward and backward of every micro-batch. Each parameter's ``.grad`` receives the
+        gradient of the whole batch's loss (accumulated, as ``loss.backward()`` would);
+        returns that loss, detached."""
+        if self.loss_fn is None:
+            raise PipelineError(
+                "train_step needs a loss: pass loss_fn=callable(output, target) -> scalar to "
+                "replica.auto_parallel(...), e.g. loss_fn=torch.nn.functional.cross_entropy"
+            )
+        args = self._inputs(inputs)
+        mbs = self._microbatches(args)
+        n_in = microbatch.batch_size(args)
+        n_target = microbatch.batch_size([target], "target")
+        if n_in != n_target:
+            raise ConfigError(f"inputs have a batch of {n_in} samples but target has {n_target}; they must match")
+        targets = [t[0] for t in microbatch.split([target], self.plan.num_microbatches, "target")]
+        weights = microbatch.loss_weights(mbs, self.loss_reduction)
+        return self.runtime.train_step(mbs, targets, self.loss_fn, weights).loss
+
+    # --- parameters ------------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The parameters this process holds, under their original names (tied ones once)."""
+        seen: set[int] = set()
+        for stage in self.stages:
+            for name, p in stage.module.named_parameters(prefix, recurse):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Original keys (every alias of a tied weight too): loads into the plain model."""
+        return self.model.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
+        return self.model.load_state_dict(state_dict, strict=strict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def train(self, mode: bool = True) -> "PipelineModel":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "PipelineModel":
+        return self.train(False)
+
+    def __repr__(self) -> str:
+        return (f"PipelineModel({self.plan.model_name}, num_stages={self.plan.num_stages}, "
+                f"num_microbatches={self.plan.num_microbatches}, schedule={self.plan.schedule!r})")

@@ -1,0 +1,203 @@
+"""The partition plan: which ops and parameters each stage holds, what crosses each cut,
+and what each stage is predicted to cost. JSON in and out; the visualizer draws it."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from replica.errors import ConfigError
+
+__all__ = ["BoundaryTensor", "MemoryBreakdown", "StagePlan", "Plan"]
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class BoundaryTensor:
+    """A value made in ``source_stage`` and read by each of ``destination_stages``.
+
+    ``shape`` and ``nbytes`` are for the traced batch; a micro-batch carries its share.
+    ``shape`` is ``None`` for a Python value (a size, a device).
+    """
+
+    name: str
+    source_stage: int
+    destination_stages: tuple[int, ...]
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted bytes held by one stage at its peak."""
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: its ops (in order), its parameters by original name, its predicted cost
+    for one whole step (every micro-batch, forward and backward, its transfers)."""
+
+    stage_index: int
+    node_names: tuple[str, ...]
+    parameter_names: tuple[str, ...]
+    forward_time_s: float
+    backward_time_s: float
+    communication_time_s: float
+    memory: MemoryBreakdown
+    inputs: tuple[BoundaryTensor, ...] = ()
+    outputs: tuple[BoundaryTensor, ...] = ()
+    module_paths: tuple[str, ...] = ()
+
+    @property
+    def predicted_time_s(self) -> float:
+        return self.forward_time_s + self.backward_time_s + self.communication_time_s
+
+    @property
+    def predicted_memory_bytes(self) -> int:
+        return self.memory.total
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole pipeline: ``stages[i]`` runs on pipeline rank ``rank_of_stage[i]``."""
+
+    model_name: str
+    num_stages: int
+    num_microbatches: int
+    schedule: str
+    device: str
+    stages: tuple[StagePlan, ...]
+    predicted_step_time_s: float
+    data_parallel_size: int = 1
+    tied_parameters: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    graph_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.stages) != self.num_stages:
+            raise ConfigError(f"plan has {len(self.stages)} stages but num_stages={self.num_stages}")
+
+    # --- derived figures -------------------------------------------------------------
+    @property
+    def bottleneck_s(self) -> float:
+        return max(s.predicted_time_s for s in self.stages)
+
+    @property
+    def balance(self) -> float:
+        """Slowest stage over the mean stage: 1.00 is perfect balance."""
+        mean = sum(s.predicted_time_s for s in self.stages) / self.num_stages
+        return self.bottleneck_s / mean if mean > 0 else 1.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        p, m = self.num_stages, self.num_microbatches
+        return (p - 1) / (m + p - 1)
+
+    def stage_of(self, node_name: str) -> int:
+        for s in self.stages:
+            if node_name in s.node_names:
+                return s.stage_index
+        raise KeyError(node_name)
+
+    # --- JSON ------------------------------------------------------------------------
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps({"format": PLAN_FORMAT, **asdict(self)}, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data: dict[str, Any] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"not a Replica plan: invalid JSON ({exc})") from exc
+        if data.pop("format", None) != PLAN_FORMAT:
+            raise ConfigError(f"not a Replica plan of format {PLAN_FORMAT}; re-create it with replica.plan(...)")
+
+        def boundary(d: dict[str, Any]) -> BoundaryTensor:
+            return BoundaryTensor(
+                d["name"], d["source_stage"], tuple(d["destination_stages"]),
+                None if d["shape"] is None else tuple(d["shape"]), d["dtype"], d["nbytes"],
+            )
+
+        stages = tuple(
+            StagePlan(
+                stage_index=s["stage_index"], node_names=tuple(s["node_names"]),
+                parameter_names=tuple(s["parameter_names"]), forward_time_s=s["forward_time_s"],
+                backward_time_s=s["backward_time_s"], communication_time_s=s["communication_time_s"],
+                memory=MemoryBreakdown(**s["memory"]), inputs=tuple(boundary(b) for b in s["inputs"]),
+                outputs=tuple(boundary(b) for b in s["outputs"]), module_paths=tuple(s["module_paths"]),
+            )
+            for s in data.pop("stages")
+        )
+        data["tied_parameters"] = {k: tuple(v) for k, v in data["tied_parameters"].items()}
+        return cls(stages=stages, **data)
+
+    # --- text ------------------------------------------------------------------------
+    def summary(self) -> str:
+        """A compact table: stages, ops, parameters, time, memory, balance."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=(
+            f"{self.model_name}: {self.num_stages} stages × {self.data_parallel_size} replicas, "
+            f"{self.num_microbatches} micro-batches, {self.schedule}, on {self.device}"
+        ), title_justify="left")
+        for col in ("stage", "ops", "params", "modules", "fwd+bwd", "comm", "memory", "sends"):
+            table.add_column(col, justify="left" if col in ("modules", "sends") else "right")
+        for s in self.stages:
+            table.add_row(
+                str(s.stage_index), str(len(s.node_names)), _bytes(s.memory.parameters),
+                _span(s.module_paths), _seconds(s.forward_time_s + s.backward_time_s),
+                _seconds(s.communication_time_s), _bytes(s.predicted_memory_bytes),
+                ", ".join(f"{_bytes(b.nbytes)}→{'/'.join(map(str, b.destination_stages))}" for b in s.outputs[:3])
+                + (" …" if len(s.outputs) > 3 else ""),
+            )
+        out = io.StringIO()
+        Console(file=out, width=120, force_terminal=False, color_system=None).print(table)
+        lines = [out.getvalue().rstrip()]
+        lines.append(
+            f"predicted step {_seconds(self.predicted_step_time_s)}, bottleneck stage "
+            f"{_seconds(self.bottleneck_s)}, balance {self.balance:.2f} (1.00 = perfect), "
+            f"bubble {self.bubble_fraction:.0%}"
+        )
+        for name, aliases in self.tied_parameters.items():
+            holders = [s.stage_index for s in self.stages if name in s.parameter_names]
+            if len(holders) > 1:
+                lines.append(f"tied: {name} = {', '.join(aliases)} held by stages {holders}, gradients summed")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _span(paths: tuple[str, ...]) -> str:
+    if not paths:
+        return "-"
+    return paths[0] if len(paths) == 1 else f"{paths[0]} … {paths[-1]}"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.0f} µs"

@@ -1,0 +1,171 @@
+"""Exact min–max partition of a sequence of priced items into contiguous stages.
+
+Torch-free. The caller prices every candidate stage ``[i, j)`` (compute of the
+items in it plus whatever it must send and receive) in a matrix ``C[i, j]`` and
+:func:`solve` returns the cut positions that minimise the slowest stage.
+
+Complexity: ``interval_costs`` is O(n² + E) time and O(n²) memory for n items and
+E producer→consumer edges (2-D difference arrays); ``solve`` is O(K·n²) time for
+K stages (one vectorised min–max step per stage, then one min-sum-of-squares step
+per stage to pick, among the optimal partitions, the most even), exact over every
+cut position that ``allowed_cuts`` admits.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["Transfer", "Partition", "interval_costs", "solve", "brute_force"]
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A value made by item ``producer`` and read by items ``consumers``.
+
+    ``cost`` is charged to every stage that sends it and to every stage that
+    receives it (a value read by several later stages is received by each).
+    """
+
+    producer: int
+    consumers: tuple[int, ...]
+    cost: float
+
+
+@dataclass(frozen=True)
+class Partition:
+    """``bounds[k]:bounds[k+1]`` are the items of stage k; ``bottleneck`` its max cost."""
+
+    bounds: tuple[int, ...]
+    bottleneck: float
+    stage_costs: tuple[float, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds) - 1
+
+
+def _add_rect(d: np.ndarray, r0: int, r1: int, c0: int, c1: int, w: float) -> None:
+    """Add ``w`` to rows r0..r1 × cols c0..c1 (inclusive) of a 2-D difference array."""
+    if r0 > r1 or c0 > c1:
+        return
+    d[r0, c0] += w
+    d[r0, c1 + 1] -= w
+    d[r1 + 1, c0] -= w
+    d[r1 + 1, c1 + 1] += w
+
+
+def interval_costs(item_costs: Sequence[float], transfers: Sequence[Transfer] = ()) -> np.ndarray:
+    """``C[i, j]`` = cost of one stage holding items ``[i, j)``; ``inf`` where ``j <= i``.
+
+    A stage pays for its items, for every transfer produced inside it and read at or
+    after ``j`` (sent once), and for every transfer produced before ``i`` and read
+    inside it (received once).
+    """
+    n = len(item_costs)
+    d = np.zeros((n + 2, n + 2))
+    for t in transfers:
+        later = sorted(c for c in set(t.consumers) if c > t.producer)
+        if not later or t.cost == 0:
+            continue
+        p = t.producer
+        # sent: producer in [i, j), some consumer at >= j  ->  i <= p < j <= last
+        _add_rect(d, 0, p, p + 1, later[-1], t.cost)
+        # received: producer < i, some consumer c in [i, j); split by the first
+        # consumer at or after i so each (i, j) is counted once.
+        prev = p
+        for c in later:
+            _add_rect(d, prev + 1, c, c + 1, n, t.cost)
+            prev = c
+    comm = np.cumsum(np.cumsum(d, axis=0), axis=1)[: n + 1, : n + 1]
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(item_costs, dtype=float))])
+    cost = prefix[None, :] - prefix[:, None] + comm
+    cost[np.tril_indices(n + 1)] = INF
+    return cost
+
+
+def solve(
+    cost: np.ndarray,
+    num_stages: int,
+    *,
+    allowed_cuts: Sequence[bool] | np.ndarray | None = None,
+) -> Partition:
+    """Cut items ``0..n-1`` into ``num_stages`` non-empty contiguous stages minimising
+    the most expensive stage.
+
+    ``cost`` is ``(n+1, n+1)`` (one matrix for every stage) or ``(K, n+1, n+1)``
+    (stage k priced by ``cost[k]``: heterogeneous devices, per-stage memory). An
+    infeasible stage is ``inf``. ``allowed_cuts[p]`` says whether a cut may fall
+    before item p (positions 0 and n are always the ends). Raises ``ValueError``
+    when no finite partition exists.
+    """
+    cost = np.asarray(cost, dtype=float)
+    per_stage = cost.ndim == 3
+    n = cost.shape[-1] - 1
+    if cost.shape[-2:] != (n + 1, n + 1) or (per_stage and cost.shape[0] != num_stages):
+        raise ValueError(f"cost has shape {cost.shape}; expected ({num_stages}, n+1, n+1) or (n+1, n+1)")
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot cut {n} items into {num_stages} non-empty stages")
+    mask = np.ones(n + 1, dtype=bool) if allowed_cuts is None else np.asarray(allowed_cuts, dtype=bool).copy()
+    mask[0] = mask[n] = True
+
+    stage_cost = (lambda k: cost[k]) if per_stage else (lambda k: cost)
+    bottleneck = _min_max(stage_cost, num_stages, n, mask)
+    if not np.isfinite(bottleneck):
+        raise ValueError(f"no partition of {n} items into {num_stages} stages has finite cost")
+    # Many partitions share the optimal bottleneck; among them take the one with the
+    # smallest sum of squared stage costs, so the other stages are balanced too.
+    limit = bottleneck * (1 + 1e-9) + 1e-300
+    bounds = _min_squares(stage_cost, num_stages, n, mask, limit)
+    stage_costs = tuple(float(stage_cost(k)[bounds[k], bounds[k + 1]]) for k in range(num_stages))
+    return Partition(tuple(bounds), max(stage_costs), stage_costs)
+
+
+def _min_max(stage_cost: "Callable[[int], np.ndarray]", num_stages: int, n: int, mask: np.ndarray) -> float:
+    """The optimal bottleneck: f_k(j) = min_i max(f_{k-1}(i), C_k[i, j])."""
+    best = np.full(n + 1, INF)
+    best[0] = 0.0
+    for k in range(num_stages):
+        start = np.where(mask, best, INF)  # a stage starts only at an allowed cut
+        best = np.min(np.maximum(start[:, None], stage_cost(k)), axis=0)
+    return float(best[n])
+
+
+def _min_squares(
+    stage_cost: "Callable[[int], np.ndarray]", num_stages: int, n: int, mask: np.ndarray, limit: float
+) -> list[int]:
+    """Bounds minimising the sum of squared stage costs with every stage at most ``limit``."""
+    best = np.full(n + 1, INF)
+    best[0] = 0.0
+    choice = np.zeros((num_stages, n + 1), dtype=np.int64)
+    for k in range(num_stages):
+        c = stage_cost(k)
+        squared = np.where(c <= limit, c * c, INF)
+        trial = np.where(mask, best, INF)[:, None] + squared
+        choice[k] = np.argmin(trial, axis=0)
+        best = trial[choice[k], np.arange(n + 1)]
+    bounds = [n]
+    for k in range(num_stages - 1, -1, -1):
+        bounds.append(int(choice[k, bounds[-1]]))
+    bounds.reverse()
+    return bounds
+
+
+def brute_force(cost: np.ndarray, num_stages: int, allowed_cuts: Sequence[bool] | None = None) -> float:
+    """The optimal bottleneck by trying every cut set: the reference :func:`solve` is tested against."""
+    cost = np.asarray(cost, dtype=float)
+    n = cost.shape[-1] - 1
+    positions = [p for p in range(1, n) if allowed_cuts is None or allowed_cuts[p]]
+    best = INF
+    for cuts in itertools.combinations(positions, num_stages - 1):
+        bounds = (0, *cuts, n)
+        worst = max(
+            float((cost[k] if cost.ndim == 3 else cost)[bounds[k], bounds[k + 1]]) for k in range(num_stages)
+        )
+        best = min(best, worst)
+    return best

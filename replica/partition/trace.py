@@ -1,0 +1,307 @@
+"""Capture an ``nn.Module`` as Replica's graph with ``torch.fx``: ops, shapes, FLOPs, parameters."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from replica.errors import ConfigError, TraceError
+from replica.partition.graph import INPUT, OP, OUTPUT, Graph, Node, ParameterInfo, TensorInfo
+
+__all__ = ["Traced", "trace", "normalize_inputs"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_REPLICA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Ops that only re-label memory: they move no bytes worth pricing.
+_VIEW_OPS = frozenset(
+    "getitem getattr size dim view reshape flatten unflatten squeeze unsqueeze transpose permute "
+    "expand expand_as split chunk unbind narrow select t contiguous view_as type_as to float "
+    "detach identity dropout".split()
+)
+
+
+@dataclass
+class Traced:
+    """The fx ``GraphModule`` (for splitting) and Replica's ``Graph`` (for pricing), node for node."""
+
+    module: fx.GraphModule
+    graph: Graph
+    concrete_args: dict[str, Any]
+
+
+def normalize_inputs(model: torch.nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Return ``example_inputs`` as a tuple checked against ``model.forward``'s signature,
+    with the defaults of the parameters not given (they are fixed while tracing)."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (
+        tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+    )
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            raise ConfigError(
+                f"example_inputs[{i}] is a {type(x).__name__}; Replica traces tensor inputs only. "
+                "Pass tensors (real, meta or fake) in the order of model.forward's arguments."
+            )
+    sig = inspect.signature(model.forward)
+    params = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    variadic = any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values())
+    required = [p for p in params if p.default is p.empty]
+    if len(inputs) < len(required) or (len(inputs) > len(params) and not variadic):
+        names = ", ".join(p.name for p in params)
+        raise ConfigError(
+            f"{type(model).__name__}.forward({names}) takes {len(required)}"
+            f"{'' if len(required) == len(params) else f' to {len(params)}'} positional inputs, "
+            f"but example_inputs has {len(inputs)}. Pass a tuple with one tensor per argument, "
+            f"e.g. example_inputs=({', '.join(p.name for p in required)},)."
+        )
+    concrete = {p.name: p.default for p in params[len(inputs):]}
+    return inputs, concrete
+
+
+class _Tracer(fx.Tracer):
+    """``fx.Tracer`` with user leaf modules and a record of where tracing failed."""
+
+    def __init__(self, leaf_modules: Sequence[type | str]) -> None:
+        super().__init__()
+        self.leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
+        self.leaf_paths = {t for t in leaf_modules if isinstance(t, str)}
+        self.path: list[tuple[str, str]] = []
+        self.failed_at: list[tuple[str, str]] | None = None
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, self.leaf_types) or module_qualified_name in self.leaf_paths:
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: torch.nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        self.path.append((self.path_of_module(m), type(m).__name__))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_at is None:
+                self.failed_at = list(self.path)
+            raise
+        finally:
+            self.path.pop()
+
+
+def _user_frame(exc: BaseException) -> str:
+    """``file:line: code`` of the innermost frame outside torch and Replica."""
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith((_TORCH_DIR, _REPLICA_DIR)) and "<eval_with_key>" not in f.filename
+    ]
+    if not frames:
+        return "(no user frame in the traceback)"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
+
+
+def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Sequence[type | str]) -> fx.GraphModule:
+    tracer = _Tracer(leaf_modules)
+    try:
+        graph = tracer.trace(model, concrete_args=concrete or None)
+    except Exception as exc:  # fx raises TraceError, TypeError, NotImplementedError, ...
+        where = tracer.failed_at or [("", type(model).__name__)]
+        path, cls = where[-1]
+        module = f"'{path}' ({cls})" if path else f"the top-level {cls}"
+        leaf_hint = f"leaf_modules=[{cls}]" if path else "leaf_modules=[...] on the offending sub-module"
+        raise TraceError(
+            f"torch.fx could not trace {module}: {type(exc).__name__}: {exc}\n"
+            f"  at {_user_frame(exc)}\n"
+            f"Fix: remove Python control flow on tensor values or shapes in that forward "
+            f"(`if`, `assert`, `int(x)`, loops over a tensor; use torch.where / masks instead), "
+            f"or keep that module whole by passing {leaf_hint} to auto_parallel / plan."
+        ) from exc
+    return fx.GraphModule(model, graph, class_name=type(model).__name__)
+
+
+def _tensor_info(value: Any) -> tuple[TensorInfo, ...]:
+    return tuple(
+        TensorInfo(tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."))
+        for t in tree_leaves(value)
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def _op_name(node: fx.Node, module: torch.nn.Module | None) -> str:
+    if node.op == "call_module":
+        return type(module).__name__.lower() if module is not None else str(node.target)
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target)).lstrip("_")
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph once (really, or on meta/fake tensors) and records shapes and FLOPs."""
+
+    def __init__(self, gm: fx.GraphModule, param_names: dict[int, str]) -> None:
+        super().__init__(gm)
+        self.param_names = param_names
+        self.outputs: dict[str, tuple[TensorInfo, ...]] = {}
+        self.flops: dict[str, float] = {}
+        self.bytes: dict[str, float] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("call_function", "call_method", "call_module"):
+            with FlopCounterMode(display=False) as counter:
+                result = super().run_node(n)
+            self.flops[n.name] = float(counter.get_total_flops())
+        else:
+            result = super().run_node(n)
+            self.flops[n.name] = 0.0
+        self.outputs[n.name] = _tensor_info(result)
+        return result
+
+
+def _named_tensors(model: torch.nn.Module) -> tuple[dict[int, str], dict[str, ParameterInfo]]:
+    """Canonical name of every parameter and buffer by object id, and their infos with aliases."""
+    canonical: dict[int, str] = {}
+    aliases: dict[int, list[str]] = {}
+    kinds: dict[int, tuple[torch.Tensor, bool]] = {}
+    for is_buffer, items in ((False, model.named_parameters(remove_duplicate=False)),
+                             (True, model.named_buffers(remove_duplicate=False))):
+        for name, t in items:
+            if t is None:
+                continue
+            key = id(t)
+            if key not in canonical:
+                canonical[key] = name
+                aliases[key] = []
+                kinds[key] = (t, is_buffer)
+            elif name != canonical[key]:
+                aliases[key].append(name)
+    infos = {
+        canonical[k]: ParameterInfo(
+            canonical[k], tuple(kinds[k][0].shape), str(kinds[k][0].dtype).removeprefix("torch."),
+            tuple(aliases[k]), kinds[k][1],
+        )
+        for k in canonical
+    }
+    return canonical, infos
+
+
+def _resolve(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _fake_inputs(inputs: tuple[torch.Tensor, ...], device: torch.device, mode: FakeTensorMode) -> list[torch.Tensor]:
+    with mode:
+        return [torch.empty(x.shape, dtype=x.dtype, device=device) for x in inputs]
+
+
+def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[int, str]) -> _Recorder:
+    """Propagate shapes. Real inputs and weights run for real (one forward, no grad);
+    anything on ``meta`` or fake runs on meta/fake tensors, so no weight is ever allocated."""
+    recorder = _Recorder(gm, names)
+    tensors = list(gm.parameters()) + list(gm.buffers())
+    device = tensors[0].device if tensors else (inputs[0].device if inputs else torch.device("cpu"))
+    fake_inputs = any(x.device.type == "meta" or type(x).__name__ == "FakeTensor" for x in inputs)
+    try:
+        if device.type == "meta":
+            recorder.run(*[x.to("meta") for x in inputs])
+        elif fake_inputs:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            args = _fake_inputs(inputs, device, mode)
+            with mode:
+                recorder.run(*args)
+        else:
+            with torch.no_grad():
+                recorder.run(*inputs)
+    except Exception as exc:
+        raise TraceError(
+            f"Running the traced graph of {gm.__class__.__name__} on the example inputs failed: "
+            f"{type(exc).__name__}: {exc}\n  at {_user_frame(exc)}\n"
+            "Fix: check that example_inputs have the shapes and dtypes model.forward expects."
+        ) from exc
+    return recorder
+
+
+def trace(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    leaf_modules: Iterable[type | str] = (),
+) -> Traced:
+    """Trace ``model`` with ``torch.fx`` and build Replica's :class:`Graph`.
+
+    ``leaf_modules`` are module classes or qualified names kept whole (not traced
+    into). Inputs on the ``meta`` device (or fake tensors) propagate shapes without
+    computing or allocating anything, so any model size can be traced.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs, concrete = normalize_inputs(model, example_inputs)
+    gm = _fx_trace(model, concrete, tuple(leaf_modules))
+    names, infos = _named_tensors(model)
+    recorder = _record(gm, inputs, names)
+
+    def owned(obj: Any, prefix: str) -> tuple[list[str], list[str]]:
+        params, bufs = [], []
+        tensors: list[tuple[str, torch.Tensor]] = []
+        if isinstance(obj, torch.nn.Module):
+            tensors = list(obj.named_parameters(prefix, remove_duplicate=False)) + [
+                (n, b) for n, b in obj.named_buffers(prefix, remove_duplicate=False) if b is not None
+            ]
+        elif isinstance(obj, torch.Tensor):
+            tensors = [(prefix, obj)]
+        for _, t in tensors:
+            name = names.get(id(t))
+            if name is None:
+                continue
+            (bufs if infos[name].is_buffer else params).append(name)
+        return params, bufs
+
+    nodes: list[Node] = []
+    fx_nodes = list(gm.graph.nodes)
+    attr_nodes = {n.name: n for n in fx_nodes if n.op == "get_attr"}
+    for n in fx_nodes:
+        if n.op == "get_attr":
+            continue
+        module = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+        params: list[str] = []
+        bufs: list[str] = []
+        if module is not None:
+            params, bufs = owned(module, str(n.target))
+        inputs_: list[str] = []
+        for a in n.all_input_nodes:
+            if a.name in attr_nodes:
+                p, b = owned(_resolve(gm, str(a.target)), str(a.target))
+                params += p
+                bufs += b
+            else:
+                inputs_.append(a.name)
+        outputs = recorder.outputs.get(n.name, ())
+        op = _op_name(n, module)
+        if op in _VIEW_OPS or n.op in ("placeholder", "output"):
+            moved = 0.0
+        elif op == "embedding":  # reads the looked-up rows, not the whole table
+            moved = float(sum(t.nbytes for a in inputs_ for t in recorder.outputs.get(a, ()))
+                          + 2 * sum(t.nbytes for t in outputs))
+        else:
+            moved = float(
+                sum(t.nbytes for a in inputs_ for t in recorder.outputs.get(a, ()))
+                + sum(t.nbytes for t in outputs)
+                + sum(infos[p].nbytes for p in dict.fromkeys(params + bufs))
+            )
+        stack = n.meta.get("nn_module_stack") or {}
+        path = str(n.target) if n.op == "call_module" else (next(reversed(stack.values()))[0] if stack else "")
+        kind = INPUT if n.op == "placeholder" else OUTPUT if n.op == "output" else OP
+        nodes.append(Node(
+            name=n.name, kind=kind, target=op, module_path=path, inputs=tuple(dict.fromkeys(inputs_)),
+            outputs=outputs, flops=recorder.flops.get(n.name, 0.0), bytes_accessed=moved,
+            parameters=tuple(dict.fromkeys(params)), buffers=tuple(dict.fromkeys(bufs)),
+        ))
+    return Traced(gm, Graph(nodes, infos, model_name=type(model).__name__), concrete)

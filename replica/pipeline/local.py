@@ -1,0 +1,131 @@
+"""Run every stage of a pipeline in this process: the reference runtime.
+
+Actions run in one deadlock-free serial order of the schedule. Values crossing a
+cut are detached into fresh leaves exactly as they would be on the wire, so a
+stage's backward sees only its own graph and hands input gradients to the stages
+that produced them (long skips go straight to their producer).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from replica.errors import PipelineError
+from replica.partition.split import StageModule
+from replica.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule, execution_order
+
+__all__ = ["LocalRuntime", "StepResult"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class StepResult:
+    """What one training step leaves behind: the loss (a detached scalar) and, if kept, outputs."""
+
+    def __init__(self, loss: torch.Tensor, outputs: list[Any]) -> None:
+        self.loss = loss
+        self.outputs = outputs
+
+
+def _as_leaf(value: Any) -> Any:
+    """What the receiving stage sees: a tensor cut from the sender's autograd graph."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
+
+class LocalRuntime:
+    """Executes a schedule's actions over ``stages`` (all in this process)."""
+
+    def __init__(self, stages: Sequence[StageModule], schedule: Schedule) -> None:
+        self.stages = list(stages)
+        self.schedule = schedule
+        self.order: list[Action] = execution_order(schedule, len(self.stages))
+
+    def forward(self, microbatches: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Pipelined forward without cutting autograd: the result backpropagates like the model's."""
+        outputs = []
+        for inputs in microbatches:
+            values: dict[str, Any] = {}
+            out: Any = None
+            for stage in self.stages:
+                args = inputs if stage.is_first else tuple(values[n] for n in stage.input_names)
+                out = stage.module(*args)
+                if not stage.is_last:
+                    values.update(zip(stage.output_names, out))
+            outputs.append(out)
+        return outputs
+
+    def train_step(
+        self,
+        microbatches: Sequence[tuple[Any, ...]],
+        targets: Sequence[Any],
+        loss_fn: LossFn,
+        weights: Sequence[float],
+        keep_outputs: bool = False,
+    ) -> StepResult:
+        """Forward and backward of every micro-batch; gradients accumulate in the parameters."""
+        m = len(microbatches)
+        values: list[dict[str, Any]] = [{} for _ in range(m)]  # what each stage sent, per micro-batch
+        grads: list[dict[str, torch.Tensor]] = [{} for _ in range(m)]  # gradients flowing back
+        received: dict[tuple[int, int], tuple[Any, ...]] = {}
+        produced: dict[tuple[int, int], Any] = {}
+        losses: list[torch.Tensor] = []
+        outputs: list[Any] = [None] * m
+        for action in self.order:
+            stage = self.stages[action.stage_index]
+            i = action.microbatch_index
+            key = (stage.stage_index, i)
+            if action.kind == FORWARD:
+                if stage.is_first:
+                    args = microbatches[i]
+                else:
+                    args = tuple(_as_leaf(values[i][n]) for n in stage.input_names)
+                out = stage.module(*args)
+                received[key] = args
+                if stage.is_last:
+                    loss = loss_fn(out, targets[i])
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise PipelineError(
+                            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                            f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}"
+                        )
+                    produced[key] = loss.reshape(()) * weights[i]
+                    losses.append(produced[key].detach())
+                    if keep_outputs:
+                        outputs[i] = out.detach() if isinstance(out, torch.Tensor) else out
+                else:
+                    produced[key] = out
+                    values[i].update(zip(stage.output_names, out))
+            elif action.kind == BACKWARD:
+                self._backward(stage, i, received.pop(key), produced.pop(key), grads[i])
+                for n in stage.output_names:
+                    values[i].pop(n, None)
+                    grads[i].pop(n, None)
+            else:  # pragma: no cover - W actions arrive with zero-bubble schedules
+                raise PipelineError(f"the local runtime cannot run {action.kind} actions yet")
+        loss = torch.stack(losses).sum() if losses else torch.zeros(())
+        return StepResult(loss, outputs)
+
+    @staticmethod
+    def _backward(
+        stage: StageModule, i: int, args: tuple[Any, ...], out: Any, grads: dict[str, torch.Tensor]
+    ) -> None:
+        if stage.is_last:
+            tensors, grad_tensors = [out], [None]
+        else:
+            tensors, grad_tensors = [], []
+            for name, value in zip(stage.output_names, out):
+                g = grads.get(name)
+                if g is not None and isinstance(value, torch.Tensor) and value.requires_grad:
+                    tensors.append(value)
+                    grad_tensors.append(g)
+        if tensors and any(t.requires_grad for t in tensors):
+            torch.autograd.backward(tensors, grad_tensors)
+        if stage.is_first:
+            return
+        for name, leaf in zip(stage.input_names, args):
+            if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
+                grads[name] = grads[name] + leaf.grad if name in grads else leaf.grad

@@ -1,0 +1,185 @@
+"""Pipeline schedules as data: pure functions of integers returning per-rank action lists.
+
+An :class:`Action` is ``(stage_index, kind, microbatch_index)`` and prints as ``2F0``
+(stage 2, forward, micro-batch 0); ``B`` is a backward, ``W`` a deferred weight
+gradient. ``schedule[rank]`` is the ordered list of actions that rank runs. The
+runtimes, the simulator and the visualizer all read these lists; nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, NamedTuple, Sequence
+
+from replica.errors import ScheduleError
+
+__all__ = [
+    "Action", "Schedule", "gpipe", "one_f_one_b", "SCHEDULES", "make_schedule",
+    "validate", "placement", "execution_order", "format_grid",
+]
+
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+_ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
+
+
+class Action(NamedTuple):
+    stage_index: int
+    kind: str
+    microbatch_index: int
+
+    def __str__(self) -> str:
+        return f"{self.stage_index}{self.kind}{self.microbatch_index}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        match = _ACTION.match(text.strip())
+        if not match:
+            raise ScheduleError(f"cannot parse action {text!r}; expected e.g. '2F0' (stage, F/B/W, micro-batch)")
+        return cls(int(match[1]), match[2], int(match[3]))
+
+
+Schedule = list[list[Action]]
+
+
+def _check(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1 or num_microbatches < 1:
+        raise ScheduleError(
+            f"a schedule needs num_stages >= 1 and num_microbatches >= 1, got {num_stages} and {num_microbatches}"
+        )
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """All forwards, then all backwards. Rank r holds stage r. For 3 stages, 4 micro-batches
+    (one column a time step, ``...`` idle)::
+
+        rank 0: 0F0 0F1 0F2 0F3 ... ... ... ... 0B0 0B1 0B2 0B3
+        rank 1: ... 1F0 1F1 1F2 1F3 ... ... 1B0 1B1 1B2 1B3 ...
+        rank 2: ... ... 2F0 2F1 2F2 2F3 2B0 2B1 2B2 2B3 ... ...
+
+    Every rank keeps the activations of all ``num_microbatches`` micro-batches.
+    """
+    _check(num_stages, num_microbatches)
+    m = range(num_microbatches)
+    return [[Action(s, FORWARD, i) for i in m] + [Action(s, BACKWARD, i) for i in m] for s in range(num_stages)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B: ``num_stages - 1 - r`` warm-up forwards on rank r, then one forward and one
+    backward in turn, then the remaining backwards. For 3 stages, 4 micro-batches::
+
+        rank 0: 0F0 0F1 0F2 ... ... 0B0 0F3 0B1 ... 0B2 ... 0B3
+        rank 1: ... 1F0 1F1 ... 1B0 1F2 1B1 1F3 1B2 ... 1B3 ...
+        rank 2: ... ... 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 ... ...
+
+    Rank r holds at most ``num_stages - r`` micro-batches' activations.
+    """
+    _check(num_stages, num_microbatches)
+    schedule: Schedule = []
+    for s in range(num_stages):
+        warmup = min(num_stages - 1 - s, num_microbatches)
+        actions = [Action(s, FORWARD, i) for i in range(warmup)]
+        for i in range(num_microbatches - warmup):
+            actions.append(Action(s, FORWARD, warmup + i))
+            actions.append(Action(s, BACKWARD, i))
+        actions += [Action(s, BACKWARD, i) for i in range(num_microbatches - warmup, num_microbatches)]
+        schedule.append(actions)
+    return schedule
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """The named schedule for ``num_stages`` stages and ``num_microbatches`` micro-batches."""
+    try:
+        maker = SCHEDULES[name.lower()]
+    except KeyError:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}") from None
+    schedule = maker(num_stages, num_microbatches)
+    validate(schedule, num_stages, num_microbatches)
+    return schedule
+
+
+def placement(schedule: Sequence[Sequence[Action]]) -> dict[int, int]:
+    """``{stage_index: rank}``; each stage must live on exactly one rank."""
+    where: dict[int, int] = {}
+    for rank, actions in enumerate(schedule):
+        for a in actions:
+            if where.setdefault(a.stage_index, rank) != rank:
+                raise ScheduleError(f"stage {a.stage_index} appears on ranks {where[a.stage_index]} and {rank}")
+    return where
+
+
+def _dependencies(a: Action, num_stages: int, has_weight: set[tuple[int, int]]) -> list[Action]:
+    s, kind, i = a
+    if kind == FORWARD:
+        return [Action(s - 1, FORWARD, i)] if s > 0 else []
+    if kind == BACKWARD:
+        return [Action(s, FORWARD, i)] + ([Action(s + 1, BACKWARD, i)] if s < num_stages - 1 else [])
+    return [Action(s, BACKWARD, i)]
+
+
+def _ticks(schedule: Sequence[Sequence[Action]], num_stages: int) -> list[list[Action | None]]:
+    """Unit-time replay: in each tick every rank runs its next action if its dependencies
+    finished in an earlier tick. Raises ``ScheduleError`` on a deadlock."""
+    has_weight = {(a.stage_index, a.microbatch_index) for r in schedule for a in r if a.kind == WEIGHT}
+    done: set[Action] = set()
+    cursor = [0] * len(schedule)
+    grid: list[list[Action | None]] = [[] for _ in schedule]
+    remaining = sum(len(r) for r in schedule)
+    while remaining:
+        ready = []
+        for rank, actions in enumerate(schedule):
+            a = actions[cursor[rank]] if cursor[rank] < len(actions) else None
+            ready.append(a if a is not None and all(d in done for d in _dependencies(a, num_stages, has_weight)) else None)
+        if not any(ready):
+            stuck = [str(actions[cursor[r]]) for r, actions in enumerate(schedule) if cursor[r] < len(actions)]
+            raise ScheduleError(f"schedule deadlocks: every rank waits (next actions {stuck})")
+        for rank, a in enumerate(ready):
+            grid[rank].append(a)
+            if a is not None:
+                done.add(a)
+                cursor[rank] += 1
+                remaining -= 1
+    return grid
+
+
+def validate(schedule: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int) -> None:
+    """Raise ``ScheduleError`` unless every stage runs F and B once per micro-batch (and W
+    once, after B, where present), each stage on one rank, with no deadlock."""
+    seen: dict[Action, int] = {}
+    for actions in schedule:
+        for a in actions:
+            if not (0 <= a.stage_index < num_stages and 0 <= a.microbatch_index < num_microbatches):
+                raise ScheduleError(
+                    f"action {a} is outside {num_stages} stages × {num_microbatches} micro-batches"
+                )
+            seen[a] = seen.get(a, 0) + 1
+    twice = sorted(str(a) for a, c in seen.items() if c > 1)
+    if twice:
+        raise ScheduleError(f"actions appear more than once: {twice[:6]}")
+    for s in range(num_stages):
+        for i in range(num_microbatches):
+            for kind in (FORWARD, BACKWARD):
+                if Action(s, kind, i) not in seen:
+                    raise ScheduleError(f"schedule never runs {Action(s, kind, i)}")
+    placement(schedule)
+    _ticks(schedule, num_stages)
+
+
+def execution_order(schedule: Sequence[Sequence[Action]], num_stages: int) -> list[Action]:
+    """One deadlock-free serial order of every action: what a single process runs."""
+    grid = _ticks(schedule, num_stages)
+    return [row[t] for t in range(max(map(len, grid), default=0)) for row in grid if t < len(row) and row[t]]
+
+
+def format_grid(schedule: Sequence[Sequence[Action]], num_stages: int) -> str:
+    """The unit-time grid drawn in the schedule docstrings (``...`` is an idle tick)."""
+    grid = _ticks(schedule, num_stages)
+    width = max(map(len, grid), default=0)
+    lines = []
+    for rank, row in enumerate(grid):
+        cells = [str(a) if a else "..." for a in row] + ["..."] * (width - len(row))
+        lines.append(f"rank {rank}: " + " ".join(cells))
+    return "\n".join(lines)
