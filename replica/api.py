@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Iterable, Iterator, Sequence
+import dataclasses
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from replica.errors import ConfigError, PipelineError
 from replica.partition.cost import CostModel, DeviceSpec, device_spec
-from replica.partition.partitioner import MemoryModel, partition
+from replica.partition.partitioner import MemoryModel, fingerprint, partition
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule, split
 from replica.partition.trace import Traced, normalize_inputs, trace
 from replica.pipeline import microbatch
+from replica.pipeline.distributed import DistributedRuntime, Topology
 from replica.pipeline.local import LocalRuntime
-from replica.pipeline.schedule import SCHEDULES, make_schedule
+from replica.pipeline.schedule import INTERLEAVED, SCHEDULES, make_schedule, placement, stages_per_rank
+from replica.pipeline.shapes import ShapeOracle
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
 
@@ -34,8 +38,10 @@ def _check_schedule(schedule: str) -> str:
     name = schedule.lower()
     if name == "auto":
         return "1f1b"  # the measured default until the tuner chooses
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES) + ['auto']}")
+    if name not in SCHEDULES and name not in INTERLEAVED:
+        raise ConfigError(
+            f"unknown schedule {schedule!r}; choose one of {sorted([*SCHEDULES, *INTERLEAVED]) + ['auto']}"
+        )
     return name
 
 
@@ -111,6 +117,65 @@ def plan(
                       schedule=schedule, device=device)
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _layout(
+    schedule: str, num_stages: int | None, data_parallel_size: int | None, world_size: int
+) -> tuple[int, int, int]:
+    """``(num_stages, num_pipeline_ranks, data_parallel_size)`` for ``world_size`` processes."""
+    v = stages_per_rank(schedule)
+    if schedule in INTERLEAVED:
+        d = data_parallel_size or 1
+        if world_size % d:
+            raise ConfigError(f"data_parallel_size={d} does not divide the world size {world_size}")
+        p = world_size // d
+        stages = num_stages or v * p
+        if stages % p or stages == p:
+            raise ConfigError(
+                f"schedule {schedule!r} with {p} pipeline ranks needs num_stages a multiple of {p} larger "
+                f"than {p} (several stages per rank), got {stages}; use num_stages={v * p}"
+            )
+        return stages, p, d
+    if num_stages is None:
+        d = data_parallel_size or 1
+        if world_size % d:
+            raise ConfigError(f"data_parallel_size={d} does not divide the world size {world_size}")
+        return world_size // d, world_size // d, d
+    if world_size % num_stages:
+        raise ConfigError(
+            f"num_stages={num_stages} does not divide the world size {world_size}: with one stage per rank, "
+            f"world_size = num_stages × data-parallel replicas. Use num_stages in "
+            f"{[k for k in range(1, world_size + 1) if world_size % k == 0]}"
+        )
+    d = world_size // num_stages
+    if data_parallel_size not in (None, d):
+        raise ConfigError(
+            f"num_stages={num_stages} on {world_size} ranks leaves {d} data-parallel replicas, "
+            f"not data_parallel_size={data_parallel_size}"
+        )
+    return num_stages, num_stages, d
+
+
+def _agree_on_plan(plan: Plan | None, traced: Traced) -> Plan:
+    """Rank 0's plan, on every rank; every rank's traced graph must be the one it was made for."""
+    payload = [plan.to_json() if plan is not None else None]
+    dist.broadcast_object_list(payload, src=0)
+    agreed = Plan.from_json(payload[0])
+    mine = fingerprint(traced.graph)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    odd = [r for r, f in enumerate(everyone) if f != agreed.graph_fingerprint]
+    if odd:
+        raise ConfigError(
+            f"ranks {odd} traced a different model (graph fingerprints {[everyone[r] for r in odd]}) than rank 0 "
+            f"({agreed.graph_fingerprint}). Every rank must build the same model with the same example input "
+            "shapes, leaf modules and seed-independent structure."
+        )
+    return agreed
+
+
 def auto_parallel(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -120,18 +185,24 @@ def auto_parallel(
     schedule: str = "1f1b",
     loss_fn: LossFn | None = None,
     loss_reduction: str = "mean",
+    data_parallel_size: int | None = None,
     device: "str | DeviceSpec | None" = None,
     leaf_modules: Iterable[type | str] = (),
     plan: Plan | None = None,
+    timeout_s: float = 300.0,
 ) -> "PipelineModel":
     """Trace, price, partition and split ``model`` into a pipeline.
+
+    In one process every stage runs here (the reference runtime). Under
+    ``torch.distributed`` (``torchrun``, or ``init_process_group``) every rank calls
+    this alike: rank 0 plans, every rank checks it traced the same graph, and each
+    keeps only its own stages; ``world_size = pipeline ranks × data_parallel_size``.
 
     ``loss_fn(output, target)`` must return the loss of a micro-batch reduced as
     ``loss_reduction`` says (``"mean"`` over the samples, as the default of torch's
     losses, or ``"sum"``); the pipeline weighs micro-batches so the gradient equals
     the whole batch's. ``plan`` reuses a plan (e.g. ``Plan.from_json``) instead of
-    solving again. The stages share the model's parameters: optimise
-    ``pm.parameters()`` (or the model's own).
+    solving again. ``timeout_s`` bounds every wait on another rank.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -142,19 +213,34 @@ def auto_parallel(
         )
     _check_count("num_stages", num_stages)
     _check_count("num_microbatches", num_microbatches)
+    _check_count("data_parallel_size", data_parallel_size)
     schedule = _check_schedule(schedule)
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn must be callable(output, target) -> scalar tensor, got {type(loss_fn).__name__}")
     if loss_reduction not in ("mean", "sum"):
         raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if not timeout_s > 0:
+        raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
     traced = trace(model, example_inputs, leaf_modules=leaf_modules)
     inputs, _ = normalize_inputs(model, example_inputs)
-    if plan is None:
-        stages = num_stages or 1
+    world = dist.get_world_size() if _distributed() else 1
+    if plan is not None:
+        num_stages = num_stages or plan.num_stages
+        schedule = plan.schedule
+    if world > 1:
+        stages, ranks, replicas = _layout(schedule, num_stages, data_parallel_size, world)
+    else:
+        stages = num_stages or (2 if schedule in INTERLEAVED else 1)
+        ranks, replicas = max(1, stages // stages_per_rank(schedule)), 1
+    if plan is None and (world == 1 or dist.get_rank() == 0):
         plan = _make_plan(traced, model, inputs, num_stages=stages, num_microbatches=num_microbatches,
                           schedule=schedule, device=device)
+        plan = dataclasses.replace(plan, data_parallel_size=replicas)
+    if world > 1:
+        plan = _agree_on_plan(plan, traced)
+    assert plan is not None
     return PipelineModel(model, traced, plan, num_inputs=len(inputs), loss_fn=loss_fn,
-                         loss_reduction=loss_reduction)
+                         loss_reduction=loss_reduction, num_pipeline_ranks=ranks, timeout_s=timeout_s)
 
 
 class PipelineModel:
@@ -169,18 +255,42 @@ class PipelineModel:
         num_inputs: int,
         loss_fn: LossFn | None,
         loss_reduction: str,
+        num_pipeline_ranks: int,
+        timeout_s: float,
     ) -> None:
         self.model = model
         self.plan = plan
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
         self.num_inputs = num_inputs
-        self.stages: list[StageModule] = split(traced, plan)
-        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
-        self.runtime = LocalRuntime(self.stages, self.schedule)
-        self.pipeline_rank = 0
-        self.data_parallel_rank = 0
+        self.all_stages: list[StageModule] = split(traced, plan)
+        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_pipeline_ranks)
+        self._canonical = {alias: name for name, aliases in plan.tied_parameters.items() for alias in aliases}
+        self.runtime: LocalRuntime | DistributedRuntime
+        if _distributed():
+            topology = Topology(dist.get_rank(), dist.get_world_size(), num_pipeline_ranks)
+            device = next(model.parameters()).device
+            boundary = [b.name for s in plan.stages for b in s.outputs]
+            oracle = ShapeOracle(traced.module, boundary, device)
+            self.runtime = DistributedRuntime(self.all_stages, self.schedule, plan, topology, oracle,
+                                              timeout_s=timeout_s, device=device)
+            self.stages = [s for s in self.all_stages if s.stage_index in self.runtime.stages]
+            self.pipeline_rank = topology.pipeline_rank
+            self.data_parallel_rank = topology.data_parallel_rank
+            self._release_remote_weights()
+        else:
+            self.runtime = LocalRuntime(self.all_stages, self.schedule)
+            self.stages = self.all_stages
+            self.pipeline_rank = 0
+            self.data_parallel_rank = 0
         self.data_parallel_size = plan.data_parallel_size
+
+    def _release_remote_weights(self) -> None:
+        """Free the storage of every weight no local stage reads: a rank holds only its stages."""
+        mine = {id(t) for s in self.stages for t in [*s.module.parameters(), *s.module.buffers()]}
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if id(t) not in mine:
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
     # --- running ---------------------------------------------------------------------
     def _inputs(self, inputs: Any) -> tuple[Any, ...]:
@@ -219,23 +329,41 @@ class PipelineModel:
         weights = microbatch.loss_weights(mbs, self.loss_reduction)
         return self.runtime.train_step(mbs, targets, self.loss_fn, weights).loss
 
+    @property
+    def is_last_stage_here(self) -> bool:
+        """Whether this process runs the last stage (where the loss is computed)."""
+        return any(s.is_last for s in self.stages)
+
     # --- parameters ------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """The parameters this process holds, under their original names (tied ones once)."""
+        """The parameters this process holds, under their original names (a tied one once,
+        under the name the plain model's ``named_parameters`` gives it)."""
         seen: set[int] = set()
         for stage in self.stages:
-            for name, p in stage.module.named_parameters(prefix, recurse):
+            for name, p in stage.module.named_parameters(remove_duplicate=False):
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield name, p
+                    yield prefix + self._canonical.get(name, name), p
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Original keys (every alias of a tied weight too): loads into the plain model."""
-        return self.model.state_dict()
+        """Original keys (every alias of a tied weight too), for the weights this process
+        holds: in one process the whole model's, loadable by the plain model."""
+        if isinstance(self.runtime, LocalRuntime):
+            return self.model.state_dict()
+        out: dict[str, torch.Tensor] = {}
+        for stage in self.stages:
+            for key, value in stage.module.state_dict().items():
+                out.setdefault(key, value)
+                for alias in self.plan.tied_parameters.get(self._canonical.get(key, key), ()):
+                    out.setdefault(alias, value)
+                canonical = self._canonical.get(key)
+                if canonical is not None:
+                    out.setdefault(canonical, value)
+        return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
         return self.model.load_state_dict(state_dict, strict=strict)

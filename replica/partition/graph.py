@@ -60,7 +60,9 @@ class Node:
 
     ``name`` is unique and stable for a given model and tracer; ``target`` names
     the op (``linear``, ``add``, ``transformer.h.0.attn.c_attn``...). ``outputs``
-    lists every tensor the node produces (empty for a Python value such as a size).
+    lists every tensor the node produces (empty for a Python value such as a size);
+    ``value_kind`` is ``"tensor"``, ``"value"`` (a Python value) or ``"container"``
+    (a tuple of tensors, as ``split`` makes: never cut between it and its readers).
     """
 
     name: str
@@ -69,6 +71,7 @@ class Node:
     module_path: str
     inputs: tuple[str, ...]
     outputs: tuple[TensorInfo, ...] = ()
+    value_kind: str = "tensor"
     flops: float = 0.0
     bytes_accessed: float = 0.0
     parameters: tuple[str, ...] = ()

@@ -68,6 +68,10 @@ def partition(
         transfers.append(Transfer(i, tuple(index[u] for u in n.users), cost))
     first_op = sum(1 for n in nodes if n.kind == INPUT)
     allowed = [first_op < p < len(nodes) - 1 for p in range(len(nodes) + 1)]
+    for i, n in enumerate(nodes):
+        if n.value_kind == "container" and n.users:  # tuples of tensors stay with their readers
+            for p in range(i + 1, max(index[u] for u in n.users) + 1):
+                allowed[p] = False
     cost = interval_costs(item_costs, transfers)
     # Everything a stage sends to its neighbours in one direction travels as one message per
     # micro-batch: every stage but the first pays the latency of receiving (and sending back

@@ -122,6 +122,15 @@ def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Se
             f"(`if`, `assert`, `int(x)`, loops over a tensor; use torch.where / masks instead), "
             f"or keep that module whole by passing {leaf_hint} to auto_parallel / plan."
         ) from exc
+    # Fixed default arguments leave placeholders between the asserts fx adds for them:
+    # move every placeholder to the front so inputs come first, as the graph IR promises.
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = next(iter(graph.nodes))
+    for ph in placeholders:
+        if ph is not anchor:
+            anchor.prepend(ph) if anchor.op != "placeholder" else anchor.append(ph)
+        anchor = ph
+    graph.lint()
     return fx.GraphModule(model, graph, class_name=type(model).__name__)
 
 
@@ -149,7 +158,7 @@ class _Recorder(fx.Interpreter):
         self.param_names = param_names
         self.outputs: dict[str, tuple[TensorInfo, ...]] = {}
         self.flops: dict[str, float] = {}
-        self.bytes: dict[str, float] = {}
+        self.kinds: dict[str, str] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("call_function", "call_method", "call_module"):
@@ -160,6 +169,9 @@ class _Recorder(fx.Interpreter):
             result = super().run_node(n)
             self.flops[n.name] = 0.0
         self.outputs[n.name] = _tensor_info(result)
+        self.kinds[n.name] = (
+            "tensor" if isinstance(result, torch.Tensor) else "container" if self.outputs[n.name] else "value"
+        )
         return result
 
 
@@ -301,7 +313,8 @@ def trace(
         kind = INPUT if n.op == "placeholder" else OUTPUT if n.op == "output" else OP
         nodes.append(Node(
             name=n.name, kind=kind, target=op, module_path=path, inputs=tuple(dict.fromkeys(inputs_)),
-            outputs=outputs, flops=recorder.flops.get(n.name, 0.0), bytes_accessed=moved,
+            outputs=outputs, value_kind=recorder.kinds.get(n.name, "value"),
+            flops=recorder.flops.get(n.name, 0.0), bytes_accessed=moved,
             parameters=tuple(dict.fromkeys(params)), buffers=tuple(dict.fromkeys(bufs)),
         ))
     return Traced(gm, Graph(nodes, infos, model_name=type(model).__name__), concrete)

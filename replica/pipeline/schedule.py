@@ -15,7 +15,8 @@ from typing import Callable, NamedTuple, Sequence
 from replica.errors import ScheduleError
 
 __all__ = [
-    "Action", "Schedule", "gpipe", "one_f_one_b", "SCHEDULES", "make_schedule",
+    "Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "SCHEDULES", "INTERLEAVED",
+    "make_schedule", "stages_per_rank",
     "validate", "placement", "execution_order", "format_grid",
 ]
 
@@ -87,16 +88,73 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return schedule
 
 
+def interleaved_one_f_one_b(num_ranks: int, num_stages: int, num_microbatches: int) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM): rank r holds stages r, r + P, r + 2P, ... (P ranks,
+    v = num_stages / P stages each, looped placement); micro-batches go through the stages
+    of a rank in groups of P, which cuts the bubble by v. ``num_microbatches`` must be a
+    multiple of P. For 2 ranks, 4 stages, 4 micro-batches::
+
+        rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 ... 2B2 ... 2B3 0B2 0B3
+        rank 1: ... 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3 ...
+    """
+    _check(num_stages, num_microbatches)
+    p = num_ranks
+    if p < 1 or num_stages % p or num_stages == p:
+        raise ScheduleError(
+            f"interleaved 1F1B needs num_stages a multiple (>= 2x) of the {p} pipeline ranks, got "
+            f"num_stages={num_stages}; use num_stages={2 * p} (2 stages per rank) or the '1f1b' schedule"
+        )
+    if num_microbatches % p:
+        raise ScheduleError(
+            f"interleaved 1F1B needs num_microbatches a multiple of the {p} pipeline ranks, got "
+            f"{num_microbatches}; use {max(p, num_microbatches // p * p)} or {(num_microbatches // p + 1) * p}"
+        )
+    v = num_stages // p
+    total = num_microbatches * v
+
+    def unit(k: int, kind: str, rank: int) -> Action:
+        chunk = (k % (p * v)) // p
+        if kind == BACKWARD:
+            chunk = v - 1 - chunk
+        return Action(chunk * p + rank, kind, (k // (p * v)) * p + k % p)
+
+    schedule: Schedule = []
+    for r in range(p):
+        warmup = total if num_microbatches == p else min((p - r - 1) * 2 + (v - 1) * p, total)
+        actions = [unit(k, FORWARD, r) for k in range(warmup)]
+        for k in range(total - warmup):
+            actions.append(unit(k + warmup, FORWARD, r))
+            actions.append(unit(k, BACKWARD, r))
+        actions += [unit(k, BACKWARD, r) for k in range(total - warmup, total)]
+        schedule.append(actions)
+    return schedule
+
+
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+INTERLEAVED = {"interleaved": interleaved_one_f_one_b}
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """The named schedule for ``num_stages`` stages and ``num_microbatches`` micro-batches."""
-    try:
-        maker = SCHEDULES[name.lower()]
-    except KeyError:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}") from None
-    schedule = maker(num_stages, num_microbatches)
+def stages_per_rank(name: str) -> int:
+    """How many stages the named schedule puts on each pipeline rank by default."""
+    return 2 if name.lower() in INTERLEAVED else 1
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int, num_ranks: int | None = None) -> Schedule:
+    """The named schedule for ``num_stages`` stages over ``num_ranks`` pipeline ranks (default:
+    one stage per rank, or two for interleaved schedules), validated."""
+    key = name.lower()
+    if key in INTERLEAVED:
+        ranks = num_ranks or max(1, num_stages // stages_per_rank(key))
+        schedule = INTERLEAVED[key](ranks, num_stages, num_microbatches)
+    elif key in SCHEDULES:
+        if num_ranks not in (None, num_stages):
+            raise ScheduleError(
+                f"the {name!r} schedule puts one stage on each rank, but num_stages={num_stages} and "
+                f"{num_ranks} pipeline ranks; use num_stages={num_ranks} or schedule='interleaved'"
+            )
+        schedule = SCHEDULES[key](num_stages, num_microbatches)
+    else:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted([*SCHEDULES, *INTERLEAVED])}")
     validate(schedule, num_stages, num_microbatches)
     return schedule
 

@@ -1,0 +1,91 @@
+"""Start N local CPU processes joined by gloo on 127.0.0.1: for tests, notebooks and benchmarks."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from replica.errors import PipelineError
+
+__all__ = ["run_local", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: int,
+            fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            results.put((rank, "ok", fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report to the parent instead of dying silently
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    threads_per_rank: int = 1,
+    allow_dead: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (spawned, gloo
+    on 127.0.0.1, ``threads_per_rank`` torch threads each) and return each rank's result.
+
+    ``fn`` and its results must be picklable (a module-level function). A rank that
+    raises, dies or outlives ``timeout_s`` makes this raise ``PipelineError`` with
+    every rank's report; no process is left behind. With ``allow_dead`` a rank that died
+    without a report (killed on purpose by a test) reads as ``None`` instead.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, threads_per_rank, fn, args, results),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    reports: dict[int, tuple[str, Any]] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s + 60)
+    try:
+        while len(reports) < world_size:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+                reports[rank] = (status, value)
+            except Exception:  # queue.Empty: check for ranks that died without a word
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in reports]
+                if dead and all(not p.is_alive() for p in procs):
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = {r: v for r, (s, v) in reports.items() if s == "error"}
+    missing = [] if allow_dead else [r for r in range(world_size) if r not in reports]
+    if errors or missing:
+        lines = [f"rank {r}: {v}" for r, v in sorted(errors.items())]
+        lines += [f"rank {r}: no report (exit code {procs[r].exitcode})" for r in missing]
+        raise PipelineError(f"{len(errors) + len(missing)} of {world_size} ranks failed:\n" + "\n".join(lines))
+    return [reports[r][1] if r in reports else None for r in range(world_size)]

@@ -1,0 +1,396 @@
+"""Run a pipeline across processes: each rank executes its own action list with
+``torch.distributed`` point-to-point ops (gloo on CPU, NCCL on GPU).
+
+Every message of a step is known before the step starts (the plan says what
+crosses each cut, the shape oracle says its shape), so each rank posts all its
+receives up front, sends as soon as a value exists, and only ever blocks on the
+one receive the next action needs — with a timeout that names the peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from replica.errors import PipelineError
+from replica.partition.plan import Plan
+from replica.partition.split import StageModule
+from replica.pipeline.local import StepResult
+from replica.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule, placement
+from replica.pipeline.shapes import ShapeOracle, TensorMeta
+
+__all__ = ["Topology", "DistributedRuntime"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+FWD, BWD = 0, 1
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``rank = data_parallel_rank × num_pipeline_ranks + pipeline_rank``."""
+
+    rank: int
+    world_size: int
+    num_pipeline_ranks: int
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.num_pipeline_ranks
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.rank % self.num_pipeline_ranks
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.num_pipeline_ranks
+
+    def global_rank(self, pipeline_rank: int, data_parallel_rank: int | None = None) -> int:
+        dp = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
+        return dp * self.num_pipeline_ranks + pipeline_rank
+
+
+@dataclass
+class _Step:
+    """Everything in flight during one step."""
+
+    metas: list[dict[str, Any]]
+    recvs: dict[tuple[str, int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    sends: list[tuple[Any, torch.Tensor, str, int]] = field(default_factory=list)
+    local_values: dict[tuple[str, int], Any] = field(default_factory=dict)
+    local_grads: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+    saved: dict[tuple[int, int], tuple[tuple[Any, ...], Any]] = field(default_factory=dict)
+
+
+class DistributedRuntime:
+    """Executes this rank's share of a schedule and keeps shared weights in step.
+
+    ``stages`` are all stage modules (the split is the same on every rank); only the
+    stages the schedule places on this rank's pipeline position run here.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[StageModule],
+        schedule: Schedule,
+        plan: Plan,
+        topology: Topology,
+        oracle: ShapeOracle,
+        *,
+        timeout_s: float,
+        device: torch.device,
+    ) -> None:
+        self.topology = topology
+        self.plan = plan
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device
+        self.oracle = oracle
+        self.place = placement(schedule)
+        me = topology.pipeline_rank
+        self.actions: list[Action] = list(schedule[me])
+        self.stages = {s.stage_index: s for s in stages if self.place[s.stage_index] == me}
+        # One channel per (value, reading stage) that crosses ranks; a message's tag is
+        # derived from its channel, micro-batch and direction, identically on every rank.
+        self.channels: dict[tuple[str, int], int] = {}
+        for s in plan.stages:
+            for b in s.outputs:
+                for d in b.destination_stages:
+                    if self.place[b.source_stage] != self.place[d]:
+                        self.channels[(b.name, d)] = len(self.channels)
+        self.parameters = self._local_parameters()
+        self.last_backward = {
+            s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind == BACKWARD)
+            for s in self.stages
+        }
+        self._make_groups()
+
+    # --- set-up ------------------------------------------------------------------------
+    def _local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters by canonical name (a tied weight under its first name)."""
+        canonical = {a: name for name, aliases in self.plan.tied_parameters.items() for a in aliases}
+        seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
+        for k in sorted(self.stages):
+            for name, p in self.stages[k].module.named_parameters(remove_duplicate=False):
+                seen.setdefault(id(p), (canonical.get(name, name), p))
+        return list(seen.values())
+
+    def _make_groups(self) -> None:
+        """Process groups, created in the same order on every rank (``new_group`` is collective)."""
+        topo, P, D = self.topology, self.topology.num_pipeline_ranks, self.topology.data_parallel_size
+        self.pipeline_group = None
+        for dp in range(D):
+            group = dist.new_group([topo.global_rank(r, dp) for r in range(P)], timeout=self.timeout)
+            if dp == topo.data_parallel_rank:
+                self.pipeline_group = group
+        self.data_parallel_group = None
+        if D > 1:
+            for r in range(P):
+                group = dist.new_group([topo.global_rank(r, dp) for dp in range(D)], timeout=self.timeout)
+                if r == topo.pipeline_rank:
+                    self.data_parallel_group = group
+        # A weight read by stages on several ranks (a tied embedding and head): its
+        # gradient is summed over exactly those ranks (of every replica).
+        self.tied: list[tuple[Any, list[str]]] = []
+        local = {name for name, _ in self.parameters}
+        holders: dict[str, set[int]] = {}
+        for s in self.plan.stages:
+            for name in s.parameter_names:
+                holders.setdefault(name, set()).add(self.place[s.stage_index])
+        for name in sorted(holders):
+            ranks = sorted(holders[name])
+            if len(ranks) < 2:
+                continue
+            members = [topo.global_rank(r, dp) for dp in range(D) for r in ranks]
+            group = dist.new_group(members, timeout=self.timeout)
+            if topo.rank in members:
+                self.tied.append((group, [name] if name in local else []))
+        self.tied_names = {n for _, names in self.tied for n in names}
+
+    # --- messages ----------------------------------------------------------------------
+    def _tag(self, name: str, reader: int, microbatch: int, direction: int) -> int:
+        return (microbatch * len(self.channels) + self.channels[(name, reader)]) * 2 + direction
+
+    def _peer(self, stage_index: int) -> int:
+        return self.topology.global_rank(self.place[stage_index])
+
+    def _wait(self, work: Any, what: str, peer: int | str) -> None:
+        """Wait for one message or collective; a dead or silent peer becomes a ``PipelineError``."""
+        source = f"rank {peer}" if isinstance(peer, int) else peer
+        try:
+            done = work.wait(self.timeout)
+        except Exception as exc:  # gloo raises on a closed connection or a timeout
+            reason = str(exc).splitlines()[0] if str(exc) else ""
+            raise PipelineError(
+                f"rank {self.topology.rank} gave up waiting for {what} from {source}: {type(exc).__name__}: "
+                f"{reason}. {source.capitalize()} died, hung or runs a different plan; the timeout is "
+                f"{self.timeout.total_seconds():.0f} s (auto_parallel(..., timeout_s=...))."
+            ) from exc
+        if done is False:
+            raise PipelineError(
+                f"rank {self.topology.rank} timed out after {self.timeout.total_seconds():.0f} s waiting for "
+                f"{what} from {source}"
+            )
+
+    def _post_receives(self, step: _Step, num_microbatches: int, train: bool) -> None:
+        for k, stage in self.stages.items():
+            for i in range(num_microbatches):
+                meta = step.metas[i]
+                for name, src in zip(stage.input_names, stage.input_sources):
+                    if self.place[src] != self.place[k] and isinstance(meta[name], TensorMeta):
+                        buf = meta[name].empty(self.device)
+                        work = dist.irecv(buf, self._peer(src), tag=self._tag(name, k, i, FWD))
+                        step.recvs[(name, k, i, FWD)] = (work, buf)
+                if not train:
+                    continue
+                for name, readers in zip(stage.output_names, stage.output_destinations):
+                    m = meta[name]
+                    if not (isinstance(m, TensorMeta) and m.requires_grad):
+                        continue
+                    for d in readers:
+                        if self.place[d] != self.place[k]:
+                            buf = m.empty(self.device)
+                            work = dist.irecv(buf, self._peer(d), tag=self._tag(name, d, i, BWD))
+                            step.recvs[(name, d, i, BWD)] = (work, buf)
+
+    def _received(self, step: _Step, key: tuple[str, int, int, int], action: Action, peer_stage: int) -> torch.Tensor:
+        work, buf = step.recvs.pop(key)
+        what = f"{'activation' if key[3] == FWD else 'gradient'} {key[0]!r} of micro-batch {key[2]} (for {action})"
+        self._wait(work, what, self._peer(peer_stage))
+        return buf
+
+    def _send(self, step: _Step, tensor: torch.Tensor, name: str, reader: int, i: int, direction: int,
+              to_stage: int) -> None:
+        payload = tensor.detach().contiguous()
+        peer = self._peer(to_stage)
+        work = dist.isend(payload, peer, tag=self._tag(name, reader, i, direction))
+        step.sends.append((work, payload, f"sending {name!r} of micro-batch {i}", peer))
+
+    # --- actions -----------------------------------------------------------------------
+    def _forward(self, step: _Step, action: Action, inputs: tuple[Any, ...], train: bool) -> Any:
+        stage = self.stages[action.stage_index]
+        i = action.microbatch_index
+        meta = step.metas[i]
+        if stage.is_first:
+            args = inputs
+        else:
+            values = []
+            for name, src in zip(stage.input_names, stage.input_sources):
+                m = meta[name]
+                if not isinstance(m, TensorMeta):
+                    values.append(m)  # a Python value: worked out locally, never sent
+                    continue
+                if self.place[src] == self.place[stage.stage_index]:
+                    value = step.local_values[(name, i)]
+                else:
+                    value = self._received(step, (name, stage.stage_index, i, FWD), action, src)
+                values.append(value.detach().requires_grad_(train and m.requires_grad))
+            args = tuple(values)
+        out = stage.module(*args)
+        if not stage.is_last:
+            for name, readers, value in zip(stage.output_names, stage.output_destinations, out):
+                if not isinstance(value, torch.Tensor):
+                    continue
+                for d in readers:
+                    if self.place[d] == self.place[stage.stage_index]:
+                        step.local_values[(name, i)] = value
+                    else:
+                        self._send(step, value, name, d, i, FWD, d)
+        if train:
+            step.saved[(stage.stage_index, i)] = (args, out)
+        return out
+
+    def _backward(self, step: _Step, action: Action, loss: torch.Tensor | None) -> None:
+        stage = self.stages[action.stage_index]
+        k, i = stage.stage_index, action.microbatch_index
+        args, out = step.saved.pop((k, i))
+        meta = step.metas[i]
+        if stage.is_last:
+            tensors, grads = [loss], [None]
+        else:
+            tensors, grads = [], []
+            for name, readers, value in zip(stage.output_names, stage.output_destinations, out):
+                m = meta[name]
+                if not (isinstance(m, TensorMeta) and m.requires_grad):
+                    continue
+                total = None
+                for d in readers:
+                    if self.place[d] == self.place[k]:
+                        g = step.local_grads.pop((name, i, d))
+                    else:
+                        g = self._received(step, (name, d, i, BWD), action, d)
+                    total = g if total is None else total + g
+                if value.requires_grad:
+                    tensors.append(value)
+                    grads.append(total)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        if stage.is_first:
+            return
+        for name, src, leaf in zip(stage.input_names, stage.input_sources, args):
+            m = meta[name]
+            if not (isinstance(m, TensorMeta) and m.requires_grad):
+                continue
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            if self.place[src] == self.place[k]:
+                step.local_grads[(name, i, k)] = g
+            else:
+                self._send(step, g, name, k, i, BWD, src)
+
+    # --- steps -------------------------------------------------------------------------
+    def train_step(
+        self,
+        microbatches: Sequence[tuple[Any, ...]],
+        targets: Sequence[Any],
+        loss_fn: LossFn,
+        weights: Sequence[float],
+    ) -> StepResult:
+        m = len(microbatches)
+        stash = {}
+        for _, p in self.parameters:  # this step's gradients are reduced alone, then added
+            stash[id(p)] = p.grad
+            p.grad = None
+        step = _Step(metas=[self.oracle(mb) for mb in microbatches])
+        self._post_receives(step, m, train=True)
+        losses: dict[int, torch.Tensor] = {}
+        reductions: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
+        for n, action in enumerate(self.actions):
+            stage = self.stages[action.stage_index]
+            i = action.microbatch_index
+            if action.kind == FORWARD:
+                out = self._forward(step, action, microbatches[i], train=True)
+                if stage.is_last:
+                    loss = loss_fn(out, targets[i])
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise PipelineError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+                    losses[i] = loss.reshape(()) * weights[i]
+            elif action.kind == BACKWARD:
+                self._backward(step, action, losses.get(i) if stage.is_last else None)
+                if n == self.last_backward[action.stage_index]:
+                    reductions += self._reduce_data_parallel(action.stage_index)
+            else:  # pragma: no cover
+                raise PipelineError(f"the distributed runtime cannot run {action.kind} actions yet")
+        for work, payload, what, peer in step.sends:
+            self._wait(work, what, peer)
+        for work, flat, params in reductions:
+            self._wait(work, "the data-parallel gradient all-reduce", "the other replicas")
+            flat /= self.topology.data_parallel_size
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self._reduce_tied()
+        for _, p in self.parameters:
+            old = stash[id(p)]
+            if old is not None:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+        total = torch.stack([l.detach() for l in losses.values()]).sum() if losses else torch.zeros(())
+        total = total.to(self.device)
+        work = dist.all_reduce(total, async_op=True)
+        self._wait(work, "the loss all-reduce", "every rank")
+        return StepResult((total / self.topology.data_parallel_size).cpu(), [])
+
+    def _reduce_data_parallel(self, stage_index: int) -> list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]]:
+        """Start averaging a finished stage's gradients over the replicas (one flat bucket)."""
+        if self.data_parallel_group is None:
+            return []
+        done = {id(p) for k in self.stages if self.last_backward[k] > self.last_backward[stage_index]
+                for p in self.stages[k].module.parameters()}
+        params = [p for name, p in self.stages[stage_index].module.named_parameters()
+                  if p.grad is not None and id(p) not in done and name not in self.tied_names]
+        if not params:
+            return []
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        work = dist.all_reduce(flat, group=self.data_parallel_group, async_op=True)
+        return [(work, flat, params)]
+
+    def _reduce_tied(self) -> None:
+        """Sum each tied weight's gradient over the ranks holding it; average over replicas."""
+        by_name = dict(self.parameters)
+        for group, names in self.tied:
+            for name in names:
+                p = by_name[name]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                work = dist.all_reduce(p.grad, group=group, async_op=True)
+                self._wait(work, f"the all-reduce of tied weight {name!r}", "the ranks sharing it")
+                if self.topology.data_parallel_size > 1:
+                    p.grad /= self.topology.data_parallel_size
+
+    def forward(self, microbatches: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Pipelined inference: the last stage's outputs, broadcast to every pipeline rank."""
+        m = len(microbatches)
+        step = _Step(metas=[self.oracle(mb) for mb in microbatches])
+        self._post_receives(step, m, train=False)
+        outputs: list[Any] = [None] * m
+        forwards = sorted((a for a in self.actions if a.kind == FORWARD),
+                          key=lambda a: (a.microbatch_index, a.stage_index))
+        with torch.no_grad():
+            for action in forwards:
+                out = self._forward(step, action, microbatches[action.microbatch_index], train=False)
+                if self.stages[action.stage_index].is_last:
+                    outputs[action.microbatch_index] = out
+        for work, payload, what, peer in step.sends:
+            self._wait(work, what, peer)
+        return [self._broadcast_output(outputs[i], step.metas[i]["output"]) for i in range(m)]
+
+    def _broadcast_output(self, out: Any, meta_out: Any) -> Any:
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        last = self.topology.global_rank(self.place[self.plan.num_stages - 1])
+        leaves, spec = tree_flatten(meta_out)
+        mine = tree_flatten(out)[0] if out is not None else None
+        result = []
+        for n, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                result.append(mine[n] if mine is not None else leaf)
+                continue
+            buf = mine[n].contiguous() if mine is not None else torch.empty(leaf.shape, dtype=leaf.dtype,
+                                                                            device=self.device)
+            work = dist.broadcast(buf, last, group=self.pipeline_group, async_op=True)
+            self._wait(work, "the output broadcast", last)
+            result.append(buf)
+        return tree_unflatten(result, spec)

@@ -1,0 +1,110 @@
+"""What crosses each cut for a given micro-batch, worked out on meta tensors, never sent.
+
+Every rank holds the same traced graph. Running it once on ``meta`` copies of the
+weights with the micro-batch's input shapes gives the shape, dtype and
+``requires_grad`` of every tensor crossing a cut, and the value of every Python
+value (a size, a device) crossing one — so ranks allocate receive buffers and
+rebuild sizes without a shape handshake on the wire.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from replica.errors import PipelineError
+
+__all__ = ["TensorMeta", "ShapeOracle"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and whether a gradient flows back through a tensor crossing a cut."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+def _meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose parameters and buffers live on ``meta``: no bytes are copied."""
+    memo: dict[int, Any] = {}
+    for p in gm.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in gm.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(gm, memo)
+
+
+def _localize(value: Any, device: torch.device) -> Any:
+    """Python values computed on meta name the meta device; a rank uses its own."""
+    if isinstance(value, torch.device):
+        return device
+    if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size):
+        return type(value)(_localize(v, device) for v in value)
+    return value
+
+
+class ShapeOracle:
+    """``oracle(inputs)[name]``: a :class:`TensorMeta` or the Python value, per boundary value."""
+
+    def __init__(self, gm: fx.GraphModule, names: Sequence[str], device: torch.device) -> None:
+        self.meta_module = _meta_copy(gm)
+        self.names = frozenset(names)
+        self.device = device
+        self._cache: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    @staticmethod
+    def _signature(inputs: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(
+            (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else ("value", repr(x))
+            for x in inputs
+        )
+
+    def __call__(self, inputs: Sequence[Any]) -> dict[str, Any]:
+        key = self._signature(inputs)
+        if key not in self._cache:
+            self._cache[key] = self._infer(inputs)
+        return self._cache[key]
+
+    def _infer(self, inputs: Sequence[Any]) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        names = self.names
+        device = self.device
+
+        class Recorder(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                result = super().run_node(n)
+                if n.name in names or n.op == "output":
+                    found[n.name] = result
+                return result
+
+        args = [x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                for x in inputs]
+        try:
+            with torch.enable_grad():
+                Recorder(self.meta_module).run(*args)
+        except Exception as exc:
+            raise PipelineError(
+                f"could not work out the shapes crossing the cuts for inputs "
+                f"{[tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in inputs]}: "
+                f"{type(exc).__name__}: {exc}. The distributed runtime needs every value crossing a cut to "
+                "depend only on input shapes (no .item() / data-dependent Python values at a cut)."
+            ) from exc
+        out: dict[str, Any] = {}
+        for name, value in found.items():
+            if isinstance(value, torch.Tensor):
+                out[name] = TensorMeta(tuple(value.shape), value.dtype,
+                                       value.requires_grad and value.dtype.is_floating_point)
+            elif name == "output":
+                out[name] = value  # the model's output structure, as meta tensors
+            else:
+                out[name] = _localize(value, device)
+        return out

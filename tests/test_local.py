@@ -1,0 +1,116 @@
+"""Transparency: a pipelined step leaves the plain model's loss, output and gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import replica
+from tests import models
+from tests.conftest import COMPUTE_BOUND
+
+CASES = {
+    "tiny_gpt": lambda: models.tiny_gpt(8, num_layers=2, size_ops=True),
+    "unet": lambda: models.unet(8),
+    "two_input_branchy": lambda: models.two_input_branchy(8),
+    "mlp": lambda: models.mlp(8),
+}
+
+
+def reference(model, inputs, target, loss_fn):
+    """The plain model's loss and gradients on the whole batch."""
+    ref = copy.deepcopy(model)
+    loss = loss_fn(ref(*inputs), target)
+    loss.backward()
+    return ref, loss.detach()
+
+
+def assert_same_grads(pm, ref) -> None:
+    got = dict(pm.named_parameters())
+    want = dict(ref.named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in want.items():
+        assert got[name].grad is not None, name
+        torch.testing.assert_close(got[name].grad, p.grad, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 3, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_transparency(case, num_stages, schedule, num_microbatches):
+    model, inputs, target, loss_fn = CASES[case]()
+    ref, ref_loss = reference(model, inputs, target, loss_fn)
+    pm = replica.auto_parallel(model, inputs, num_stages=num_stages, num_microbatches=num_microbatches,
+                               schedule=schedule, loss_fn=loss_fn, device=COMPUTE_BOUND)
+    assert pm.plan.num_stages == num_stages
+    loss = pm.train_step(inputs, target)
+    torch.testing.assert_close(loss, ref_loss)
+    assert_same_grads(pm, ref)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(*inputs), ref(*inputs))
+
+
+def test_forward_backpropagates_like_the_model():
+    model, inputs, target, loss_fn = models.unet(6)
+    ref, _ = reference(model, inputs, target, loss_fn)
+    pm = replica.auto_parallel(model, inputs, num_stages=3, num_microbatches=2, device=COMPUTE_BOUND)
+    loss_fn(pm(*inputs), target).backward()
+    assert_same_grads(pm, ref)
+
+
+def test_gradients_accumulate_over_steps_like_backward():
+    model, inputs, target, loss_fn = models.tiny_gpt(4)
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        loss_fn(ref(*inputs), target).backward()
+    pm = replica.auto_parallel(model, inputs, num_stages=2, num_microbatches=2, loss_fn=loss_fn,
+                               device=COMPUTE_BOUND)
+    pm.train_step(inputs, target)
+    pm.train_step(inputs, target)
+    assert_same_grads(pm, ref)
+
+
+def test_sum_reduction_is_exact():
+    model, inputs, target, _ = models.mlp(7)
+
+    def summed(out, t):
+        return torch.nn.functional.cross_entropy(out, t, reduction="sum")
+
+    ref, ref_loss = reference(model, inputs, target, summed)
+    pm = replica.auto_parallel(model, inputs, num_stages=3, num_microbatches=3, loss_fn=summed,
+                               loss_reduction="sum", device=COMPUTE_BOUND)
+    torch.testing.assert_close(pm.train_step(inputs, target), ref_loss)
+    assert_same_grads(pm, ref)
+
+
+def test_training_batch_other_than_traced_batch():
+    model, inputs, target, loss_fn = models.two_input_branchy(8)
+    pm = replica.auto_parallel(model, inputs, num_stages=3, num_microbatches=4, loss_fn=loss_fn,
+                               device=COMPUTE_BOUND)
+    small = tuple(x[:5] for x in inputs)
+    ref, ref_loss = reference(model, small, target[:5], loss_fn)
+    torch.testing.assert_close(pm.train_step(small, target[:5]), ref_loss)
+    assert_same_grads(pm, ref)
+
+
+def test_tied_weight_is_one_parameter_held_by_two_stages():
+    model, inputs, target, loss_fn = models.tiny_gpt(8)
+    pm = replica.auto_parallel(model, inputs, num_stages=4, num_microbatches=2, loss_fn=loss_fn,
+                               device=COMPUTE_BOUND)
+    holders = [s.stage_index for s in pm.plan.stages if "transformer.wte.weight" in s.parameter_names]
+    assert holders == [0, 3]
+    assert pm.plan.tied_parameters == {"transformer.wte.weight": ("lm_head.weight",)}
+    names = [n for n, _ in pm.named_parameters()]
+    assert names.count("transformer.wte.weight") == 1 and "lm_head.weight" not in names
+
+
+def test_state_dict_loads_into_plain_model():
+    model, inputs, target, loss_fn = models.tiny_gpt(4)
+    pm = replica.auto_parallel(model, inputs, num_stages=2, loss_fn=loss_fn, device=COMPUTE_BOUND)
+    plain = models.tiny_gpt(4).model
+    plain.load_state_dict(pm.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(plain(*inputs), model(*inputs))
