@@ -13,6 +13,7 @@ from replica.errors import ConfigError, PipelineError
 from replica.partition.cost import CostModel, DeviceSpec, device_spec
 from replica.partition.partitioner import MemoryModel, fingerprint, partition
 from replica.partition.plan import Plan
+from replica.partition.profile import profile
 from replica.partition.split import StageModule, split
 from replica.partition.trace import Traced, normalize_inputs, trace
 from replica.pipeline import microbatch
@@ -68,6 +69,11 @@ def _default_microbatches(batch: int, num_stages: int) -> int:
     return max(d for d in range(1, min(batch, 4 * num_stages) + 1) if batch % d == 0)
 
 
+def _is_real(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
+    tensors = [*inputs, *model.parameters()]
+    return all(t.device.type != "meta" and type(t).__name__ != "FakeTensor" for t in tensors)
+
+
 def _make_plan(
     traced: Traced,
     model: torch.nn.Module,
@@ -77,6 +83,7 @@ def _make_plan(
     num_microbatches: int | None,
     schedule: str,
     device: "str | DeviceSpec | None",
+    cost: str = "auto",
 ) -> Plan:
     batch = microbatch.batch_size(inputs, "example_inputs")
     m = num_microbatches or _default_microbatches(batch, num_stages)
@@ -85,8 +92,20 @@ def _make_plan(
             f"num_microbatches={m} but example_inputs have a batch of {batch}: each micro-batch needs at least "
             f"one sample. Use num_microbatches <= {batch}, or trace with a larger batch."
         )
+    if cost not in ("auto", "analytic", "profile"):
+        raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {cost!r}")
+    real = _is_real(model, inputs)
+    if cost == "profile" and not real:
+        raise ConfigError(
+            "cost='profile' times every op on real tensors, but the model or example_inputs are on the meta "
+            "device (or fake). Use cost='analytic' to plan without weights, or pass real tensors."
+        )
     spec = device_spec(device if device is not None else _default_device(model))
-    cost_model = CostModel(spec, dtype=_model_dtype(model))
+    measured = {}
+    if cost == "profile" or (cost == "auto" and real and device is None and num_stages > 1):
+        # Time each op on one micro-batch where the model lives: what the stages will run.
+        measured = profile(traced.module, microbatch.split(inputs, m, "example_inputs")[0])
+    cost_model = CostModel(spec, dtype=_model_dtype(model), measured=measured)
     return partition(traced.graph, cost_model, num_stages=num_stages, num_microbatches=m,
                      schedule=schedule, memory_model=MemoryModel())
 
@@ -101,10 +120,14 @@ def plan(
     schedule: str = "1f1b",
     device: "str | DeviceSpec | None" = None,
     leaf_modules: Iterable[type | str] = (),
+    cost: str = "auto",
 ) -> Plan:
     """Plan only: trace ``model`` (meta tensors welcome), price it on ``device`` and cut it.
 
-    ``num_stages`` defaults to ``world_size`` (one stage per device), else 1.
+    ``num_stages`` defaults to ``world_size`` (one stage per device), else 1. ``cost``:
+    ``"profile"`` times every op here on real tensors, ``"analytic"`` prices FLOPs and
+    bytes on ``device``'s spec; ``"auto"`` profiles when the model and inputs are real
+    and no other ``device`` is named.
     """
     _check_count("world_size", world_size)
     _check_count("num_stages", num_stages)
@@ -114,7 +137,7 @@ def plan(
     inputs, _ = normalize_inputs(model, example_inputs)
     stages = num_stages or world_size or 1
     return _make_plan(traced, model, inputs, num_stages=stages, num_microbatches=num_microbatches,
-                      schedule=schedule, device=device)
+                      schedule=schedule, device=device, cost=cost)
 
 
 def _distributed() -> bool:
@@ -189,6 +212,7 @@ def auto_parallel(
     device: "str | DeviceSpec | None" = None,
     leaf_modules: Iterable[type | str] = (),
     plan: Plan | None = None,
+    cost: str = "auto",
     timeout_s: float = 300.0,
 ) -> "PipelineModel":
     """Trace, price, partition and split ``model`` into a pipeline.
@@ -202,7 +226,8 @@ def auto_parallel(
     ``loss_reduction`` says (``"mean"`` over the samples, as the default of torch's
     losses, or ``"sum"``); the pipeline weighs micro-batches so the gradient equals
     the whole batch's. ``plan`` reuses a plan (e.g. ``Plan.from_json``) instead of
-    solving again. ``timeout_s`` bounds every wait on another rank.
+    solving again. ``cost`` is as for :func:`plan`. ``timeout_s`` bounds every wait on
+    another rank.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -234,7 +259,7 @@ def auto_parallel(
         ranks, replicas = max(1, stages // stages_per_rank(schedule)), 1
     if plan is None and (world == 1 or dist.get_rank() == 0):
         plan = _make_plan(traced, model, inputs, num_stages=stages, num_microbatches=num_microbatches,
-                          schedule=schedule, device=device)
+                          schedule=schedule, device=device, cost=cost)
         plan = dataclasses.replace(plan, data_parallel_size=replicas)
     if world > 1:
         plan = _agree_on_plan(plan, traced)

@@ -6,13 +6,15 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
 from replica.errors import ConfigError
 from replica.partition.graph import Node
+from replica.partition.profile import OpTimes
 
 __all__ = ["DeviceSpec", "CostModel", "device_spec", "PRESETS"]
 
@@ -140,22 +142,37 @@ def device_spec(device: "str | DeviceSpec | torch.device | None") -> DeviceSpec:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Analytic prices: time = FLOPs / FLOP/s + bytes / bandwidth + launch overhead per call;
-    backward = ``backward_factor`` × forward (2: one matmul for the input, one for the weight)."""
+    """Prices for ops and transfers.
+
+    Analytic: time = FLOPs / FLOP/s + bytes / bandwidth + launch overhead per call, and
+    backward = ``backward_factor`` × forward (2: one matmul for the input, one for the
+    weight). Ops found in ``measured`` (per micro-batch call, from :func:`profile`) use
+    their measured times instead.
+    """
 
     device: DeviceSpec
     dtype: str = "float32"
     backward_factor: float = 2.0
+    measured: Mapping[str, OpTimes] = field(default_factory=dict)
+
+    def _analytic(self, node: Node, num_calls: int) -> float:
+        d = self.device
+        return node.flops / d.peak(self.dtype) + node.bytes_accessed / d.memory_bandwidth + num_calls * d.op_overhead_s
 
     def forward_time(self, node: Node, num_calls: int = 1) -> float:
         """Seconds to run ``node`` over the traced batch, split into ``num_calls`` micro-batches."""
         if node.kind != "op":
             return 0.0
-        d = self.device
-        return node.flops / d.peak(self.dtype) + node.bytes_accessed / d.memory_bandwidth + num_calls * d.op_overhead_s
+        if node.name in self.measured:
+            return self.measured[node.name].forward_s * num_calls
+        return self._analytic(node, num_calls)
 
     def backward_time(self, node: Node, num_calls: int = 1) -> float:
-        return self.backward_factor * self.forward_time(node, num_calls)
+        if node.kind != "op":
+            return 0.0
+        if node.name in self.measured:
+            return self.measured[node.name].backward_s * num_calls
+        return self.backward_factor * self._analytic(node, num_calls)
 
     def transfer_time(self, nbytes: float, num_messages: int = 1) -> float:
         """Seconds to move ``nbytes`` to the next device in ``num_messages`` messages."""

@@ -121,7 +121,7 @@ class Plan:
             data: dict[str, Any] = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"not a Replica plan: invalid JSON ({exc})") from exc
-        if data.pop("format", None) != PLAN_FORMAT:
+        if not isinstance(data, dict) or data.pop("format", None) != PLAN_FORMAT:
             raise ConfigError(f"not a Replica plan of format {PLAN_FORMAT}; re-create it with replica.plan(...)")
 
         def boundary(d: dict[str, Any]) -> BoundaryTensor:
@@ -130,18 +130,23 @@ class Plan:
                 None if d["shape"] is None else tuple(d["shape"]), d["dtype"], d["nbytes"],
             )
 
-        stages = tuple(
-            StagePlan(
-                stage_index=s["stage_index"], node_names=tuple(s["node_names"]),
-                parameter_names=tuple(s["parameter_names"]), forward_time_s=s["forward_time_s"],
-                backward_time_s=s["backward_time_s"], communication_time_s=s["communication_time_s"],
-                memory=MemoryBreakdown(**s["memory"]), inputs=tuple(boundary(b) for b in s["inputs"]),
-                outputs=tuple(boundary(b) for b in s["outputs"]), module_paths=tuple(s["module_paths"]),
+        try:
+            stages = tuple(
+                StagePlan(
+                    stage_index=s["stage_index"], node_names=tuple(s["node_names"]),
+                    parameter_names=tuple(s["parameter_names"]), forward_time_s=s["forward_time_s"],
+                    backward_time_s=s["backward_time_s"], communication_time_s=s["communication_time_s"],
+                    memory=MemoryBreakdown(**s["memory"]), inputs=tuple(boundary(b) for b in s["inputs"]),
+                    outputs=tuple(boundary(b) for b in s["outputs"]), module_paths=tuple(s["module_paths"]),
+                )
+                for s in data.pop("stages")
             )
-            for s in data.pop("stages")
-        )
-        data["tied_parameters"] = {k: tuple(v) for k, v in data["tied_parameters"].items()}
-        return cls(stages=stages, **data)
+            data["tied_parameters"] = {k: tuple(v) for k, v in data["tied_parameters"].items()}
+            return cls(stages=stages, **data)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"not a complete Replica plan ({type(exc).__name__}: {exc}); re-create it with replica.plan(...)"
+            ) from exc
 
     # --- text ------------------------------------------------------------------------
     def summary(self) -> str:

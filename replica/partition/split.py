@@ -58,6 +58,28 @@ def _mutates_first_argument(n: fx.Node, gm: fx.GraphModule) -> bool:
     return False
 
 
+_VIEWS = frozenset(
+    "view view_as reshape transpose permute expand expand_as narrow select squeeze unsqueeze flatten "
+    "unflatten t split chunk unbind getitem as_strided diagonal movedim swapaxes unfold".split()
+)
+
+
+def _mutated_inputs(nodes: list[fx.Node], received: set[str], gm: fx.GraphModule) -> set[str]:
+    """Received values that an in-place op writes into, directly or through views of them."""
+    root: dict[str, str] = {name: name for name in received}  # alias -> received value
+    mutated: set[str] = set()
+    for n in nodes:
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if first is None or first.name not in root:
+            continue
+        name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if _mutates_first_argument(n, gm):
+            mutated.add(root[first.name])
+        elif n.op in ("call_method", "call_function") and name in _VIEWS:
+            root[n.name] = root[first.name]
+    return mutated
+
+
 def split(traced: Traced, plan: Plan) -> list[StageModule]:
     """Build the stage modules of ``plan`` from ``traced`` (the graph it was made for)."""
     if plan.graph_fingerprint and plan.graph_fingerprint != fingerprint(traced.graph):
@@ -80,11 +102,7 @@ def split(traced: Traced, plan: Plan) -> list[StageModule]:
         env: dict[str, fx.Node] = {}
         mine = [n for n in fx_nodes if stage_of[n.name] == k]
         received = {b.name for b in s.inputs}
-        mutated = {
-            n.args[0].name for n in mine
-            if n.args and isinstance(n.args[0], fx.Node) and n.args[0].name in received
-            and _mutates_first_argument(n, gm)
-        }
+        mutated = _mutated_inputs(mine, received, gm)
         for b in s.inputs:
             env[b.name] = g.placeholder(b.name)
             if b.name in mutated:  # an in-place op must not write into a received leaf tensor

@@ -209,6 +209,8 @@ def validate(schedule: Sequence[Sequence[Action]], num_stages: int, num_microbat
     seen: dict[Action, int] = {}
     for actions in schedule:
         for a in actions:
+            if a.kind not in (FORWARD, BACKWARD, WEIGHT):
+                raise ScheduleError(f"action {a} has kind {a.kind!r}; kinds are F, B and W")
             if not (0 <= a.stage_index < num_stages and 0 <= a.microbatch_index < num_microbatches):
                 raise ScheduleError(
                     f"action {a} is outside {num_stages} stages × {num_microbatches} micro-batches"

@@ -1,0 +1,74 @@
+"""Measured costs: every op timed, nothing left in .grad, plans built from the timings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replica
+from replica.partition.cost import CostModel, device_spec
+from replica.partition.profile import OpTimes, profile
+from replica.partition.trace import trace
+from tests import models
+
+
+def test_every_op_is_timed_and_no_grad_accumulates():
+    model, inputs, _, _ = models.tiny_gpt(4)
+    traced = trace(model, inputs)
+    times = profile(traced.module, inputs, repeats=1)
+    ops = {n.name for n in traced.graph.op_nodes}
+    assert set(times) == ops
+    assert all(t.forward_s > 0 and t.backward_s >= 0 for t in times.values())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_weighted_ops_have_a_backward():
+    model, inputs, _, _ = models.mlp(4)
+    traced = trace(model, inputs)
+    times = profile(traced.module, inputs, repeats=1)
+    linears = [n.name for n in traced.graph.op_nodes if n.target == "linear"]
+    assert linears and all(times[name].backward_s > 0 for name in linears)
+
+
+def test_measured_times_replace_the_analytic_ones():
+    model, inputs, _, _ = models.mlp(4)
+    traced = trace(model, inputs)
+    node = traced.graph.op_nodes[0]
+    cost = CostModel(device_spec("a100-80gb"), measured={node.name: OpTimes(0.5, 1.25)})
+    assert cost.forward_time(node, num_calls=4) == 2.0
+    assert cost.backward_time(node, num_calls=4) == 5.0
+
+
+def test_auto_profiles_real_models_on_their_own_device():
+    model, inputs, _, _ = models.mlp(8)
+    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=2, cost="profile")
+    assert plan.num_stages == 2 and plan.device.startswith("cpu")
+    assert all(s.forward_time_s > 0 for s in plan.stages)
+
+
+def test_profile_on_meta_tensors_is_an_error_naming_the_fix():
+    model, inputs, _, _ = models.mlp(8)
+    with pytest.raises(replica.ConfigError, match="cost='analytic'"):
+        replica.plan(model, tuple(x.to("meta") for x in inputs), num_stages=2, cost="profile")
+
+
+def test_unknown_cost_mode():
+    model, inputs, _, _ = models.mlp(8)
+    with pytest.raises(replica.ConfigError, match="'auto', 'analytic' or 'profile'"):
+        replica.plan(model, inputs, num_stages=2, cost="guess")
+
+
+def test_in_place_ops_are_priced():
+    class InPlace(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            y.mul_(2)
+            return torch.relu_(y)
+
+    traced = trace(InPlace(), (torch.randn(3, 4),))
+    times = profile(traced.module, (torch.randn(3, 4),), repeats=1)
+    assert set(times) == {n.name for n in traced.graph.op_nodes}
