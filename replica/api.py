@@ -19,8 +19,16 @@ from replica.partition.trace import Traced, normalize_inputs, trace
 from replica.pipeline import microbatch
 from replica.pipeline.distributed import DistributedRuntime, Topology
 from replica.pipeline.local import LocalRuntime
-from replica.pipeline.schedule import INTERLEAVED, SCHEDULES, make_schedule, placement, stages_per_rank
+from replica.pipeline.schedule import (
+    INTERLEAVED,
+    SCHEDULES,
+    V_SHAPED,
+    make_schedule,
+    splits_backward,
+    stages_per_rank,
+)
 from replica.pipeline.shapes import ShapeOracle
+from replica.pipeline.weightgrad import defer_linear_weight_grads
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
 
@@ -39,9 +47,10 @@ def _check_schedule(schedule: str) -> str:
     name = schedule.lower()
     if name == "auto":
         return "1f1b"  # the measured default until the tuner chooses
-    if name not in SCHEDULES and name not in INTERLEAVED:
+    if name not in SCHEDULES and name not in INTERLEAVED and name not in V_SHAPED:
         raise ConfigError(
-            f"unknown schedule {schedule!r}; choose one of {sorted([*SCHEDULES, *INTERLEAVED]) + ['auto']}"
+            f"unknown schedule {schedule!r}; choose one of "
+            f"{sorted([*SCHEDULES, *INTERLEAVED, *V_SHAPED]) + ['auto']}"
         )
     return name
 
@@ -149,6 +158,17 @@ def _layout(
 ) -> tuple[int, int, int]:
     """``(num_stages, num_pipeline_ranks, data_parallel_size)`` for ``world_size`` processes."""
     v = stages_per_rank(schedule)
+    if schedule in V_SHAPED:
+        d = data_parallel_size or 1
+        if world_size % d:
+            raise ConfigError(f"data_parallel_size={d} does not divide the world size {world_size}")
+        p = world_size // d
+        if num_stages not in (None, 2 * p):
+            raise ConfigError(
+                f"schedule {schedule!r} puts two stages on each of the {p} pipeline ranks in a V: "
+                f"num_stages must be {2 * p}, got {num_stages}"
+            )
+        return 2 * p, p, d
     if schedule in INTERLEAVED:
         d = data_parallel_size or 1
         if world_size % d:
@@ -255,7 +275,7 @@ def auto_parallel(
     if world > 1:
         stages, ranks, replicas = _layout(schedule, num_stages, data_parallel_size, world)
     else:
-        stages = num_stages or (2 if schedule in INTERLEAVED else 1)
+        stages = num_stages or stages_per_rank(schedule)
         ranks, replicas = max(1, stages // stages_per_rank(schedule)), 1
     if plan is None and (world == 1 or dist.get_rank() == 0):
         plan = _make_plan(traced, model, inputs, num_stages=stages, num_microbatches=num_microbatches,
@@ -290,6 +310,9 @@ class PipelineModel:
         self.num_inputs = num_inputs
         self.all_stages: list[StageModule] = split(traced, plan)
         self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_pipeline_ranks)
+        if splits_backward(self.schedule):  # linear weight gradients wait for their W action
+            for stage in self.all_stages:
+                defer_linear_weight_grads(stage.module)
         self._canonical = {alias: name for name, aliases in plan.tied_parameters.items() for alias in aliases}
         self.runtime: LocalRuntime | DistributedRuntime
         if _distributed():

@@ -20,8 +20,9 @@ from replica.errors import PipelineError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline.local import StepResult
-from replica.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule, placement
+from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule, placement, splits_backward
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
+from replica.pipeline.weightgrad import WeightGrads, collecting
 
 __all__ = ["Topology", "DistributedRuntime"]
 
@@ -102,8 +103,10 @@ class DistributedRuntime:
                     if self.place[b.source_stage] != self.place[d]:
                         self.channels[(b.name, d)] = len(self.channels)
         self.parameters = self._local_parameters()
+        self.split_backward = splits_backward(schedule)
+        # the action after which a stage's gradients are final (its last B, or W when split)
         self.last_backward = {
-            s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind == BACKWARD)
+            s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind != FORWARD)
             for s in self.stages
         }
         self._make_groups()
@@ -296,6 +299,7 @@ class DistributedRuntime:
         step = _Step(metas=[self.oracle(mb) for mb in microbatches])
         self._post_receives(step, m, train=True)
         losses: dict[int, torch.Tensor] = {}
+        deferred: dict[tuple[int, int], WeightGrads] = {}
         reductions: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
         for n, action in enumerate(self.actions):
             stage = self.stages[action.stage_index]
@@ -308,11 +312,13 @@ class DistributedRuntime:
                         raise PipelineError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
                     losses[i] = loss.reshape(()) * weights[i]
             elif action.kind == BACKWARD:
-                self._backward(step, action, losses.get(i) if stage.is_last else None)
-                if n == self.last_backward[action.stage_index]:
-                    reductions += self._reduce_data_parallel(action.stage_index)
-            else:  # pragma: no cover
-                raise PipelineError(f"the distributed runtime cannot run {action.kind} actions yet")
+                sink = deferred[(action.stage_index, i)] = WeightGrads() if self.split_backward else None
+                with collecting(sink):
+                    self._backward(step, action, losses.get(i) if stage.is_last else None)
+            else:  # W: the weight gradients B left for later
+                deferred.pop((action.stage_index, i)).apply()
+            if n == self.last_backward[action.stage_index]:
+                reductions += self._reduce_data_parallel(action.stage_index)
         for work, payload, what, peer in step.sends:
             self._wait(work, what, peer)
         for work, flat, params in reductions:

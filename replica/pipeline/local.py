@@ -14,7 +14,8 @@ import torch
 
 from replica.errors import PipelineError
 from replica.partition.split import StageModule
-from replica.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule, execution_order
+from replica.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule, execution_order, splits_backward
+from replica.pipeline.weightgrad import WeightGrads, collecting
 
 __all__ = ["LocalRuntime", "StepResult"]
 
@@ -43,6 +44,7 @@ class LocalRuntime:
         self.stages = list(stages)
         self.schedule = schedule
         self.order: list[Action] = execution_order(schedule, len(self.stages))
+        self.split_backward = splits_backward(schedule)
 
     def forward(self, microbatches: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Pipelined forward without cutting autograd: the result backpropagates like the model's."""
@@ -74,6 +76,7 @@ class LocalRuntime:
         produced: dict[tuple[int, int], Any] = {}
         losses: list[torch.Tensor] = []
         outputs: list[Any] = [None] * m
+        deferred: dict[tuple[int, int], WeightGrads] = {}
         for action in self.order:
             stage = self.stages[action.stage_index]
             i = action.microbatch_index
@@ -100,12 +103,14 @@ class LocalRuntime:
                     produced[key] = out
                     values[i].update(zip(stage.output_names, out))
             elif action.kind == BACKWARD:
-                self._backward(stage, i, received.pop(key), produced.pop(key), grads[i])
+                sink = deferred[key] = WeightGrads() if self.split_backward else None
+                with collecting(sink):
+                    self._backward(stage, i, received.pop(key), produced.pop(key), grads[i])
                 for n in stage.output_names:
                     values[i].pop(n, None)
                     grads[i].pop(n, None)
-            else:  # pragma: no cover - W actions arrive with zero-bubble schedules
-                raise PipelineError(f"the local runtime cannot run {action.kind} actions yet")
+            else:  # W: the weight gradients B left for later
+                deferred.pop(key).apply()
         loss = torch.stack(losses).sum() if losses else torch.zeros(())
         return StepResult(loss, outputs)
 

@@ -15,8 +15,9 @@ from typing import Callable, NamedTuple, Sequence
 from replica.errors import ScheduleError
 
 __all__ = [
-    "Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "SCHEDULES", "INTERLEAVED",
-    "make_schedule", "stages_per_rank",
+    "Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zero_bubble_h1",
+    "zero_bubble_v", "list_schedule", "SCHEDULES", "INTERLEAVED", "V_SHAPED", "make_schedule",
+    "stages_per_rank", "splits_backward",
     "validate", "placement", "execution_order", "format_grid",
 ]
 
@@ -130,13 +131,117 @@ def interleaved_one_f_one_b(num_ranks: int, num_stages: int, num_microbatches: i
     return schedule
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def list_schedule(
+    stage_ranks: Sequence[int],
+    num_microbatches: int,
+    *,
+    split_backward: bool,
+    admit: Sequence[int],
+) -> Schedule:
+    """Greedy list scheduling in unit time (F = B = W = 1 tick): whenever a rank is free it
+    runs a ready B (it unblocks the ranks upstream), else the F of its deepest stage that
+    is ready (entering a new micro-batch into its first stage only while fewer than
+    ``admit[rank]`` micro-batches hold activations there), else a deferred W (which
+    also frees activations). ``stage_ranks[s]`` places stage s. Pure, deterministic.
+    """
+    num_stages = len(stage_ranks)
+    num_ranks = max(stage_ranks) + 1
+    mine = [[s for s in range(num_stages) if stage_ranks[s] == r] for r in range(num_ranks)]
+    done: set[Action] = set()
+    next_f = {s: 0 for s in range(num_stages)}
+    held = [0] * num_ranks  # micro-batches with activations alive on the rank's first stage
+    pending_b: list[set[Action]] = [set() for _ in range(num_ranks)]
+    pending_w: list[list[Action]] = [[] for _ in range(num_ranks)]
+    schedule: Schedule = [[] for _ in range(num_ranks)]
+    total = num_stages * num_microbatches * (3 if split_backward else 2)
+    while sum(map(len, schedule)) < total:
+        finished = []
+        for r in range(num_ranks):
+            ready_b = sorted((a for a in pending_b[r]
+                              if a.stage_index == num_stages - 1
+                              or Action(a.stage_index + 1, BACKWARD, a.microbatch_index) in done),
+                             key=lambda a: (a.microbatch_index, -a.stage_index))
+            choice: Action | None = ready_b[0] if ready_b else None
+            if choice is None:
+                for s in sorted(mine[r], reverse=True):
+                    i = next_f[s]
+                    if i >= num_microbatches or (s > 0 and Action(s - 1, FORWARD, i) not in done):
+                        continue
+                    if s == mine[r][0] and held[r] >= admit[r]:
+                        continue
+                    choice = Action(s, FORWARD, i)
+                    break
+            if choice is None and pending_w[r]:
+                choice = pending_w[r][0]
+            if choice is None:
+                continue
+            schedule[r].append(choice)
+            finished.append((r, choice))
+        if not finished:
+            raise ScheduleError("list scheduling stalled: the admission limits are too small")
+        for r, a in finished:
+            done.add(a)
+            s, kind, i = a
+            if kind == FORWARD:
+                next_f[s] += 1
+                pending_b[r].add(Action(s, BACKWARD, i))
+                held[r] += s == mine[r][0]
+            elif kind == BACKWARD:
+                pending_b[r].discard(a)
+                if split_backward:
+                    pending_w[r].append(Action(s, WEIGHT, i))
+                elif s == mine[r][0]:
+                    held[r] -= 1
+            else:
+                pending_w[r].remove(a)
+                held[r] -= s == mine[r][0]
+    return schedule
+
+
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B's order and memory (rank r admits ``num_stages - r`` micro-batches), with
+    each backward split into B (input gradient, sent upstream at once) and W (weight
+    gradient) deferred into what would be the bubbles. For 3 stages, 4 micro-batches::
+
+        GRID
+    """
+    _check(num_stages, num_microbatches)
+    return list_schedule(list(range(num_stages)), num_microbatches, split_backward=True,
+                         admit=[num_stages - r for r in range(num_stages)])
+
+
+def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-V: ``num_stages = 2P`` stages on P ranks in a V (rank r holds stages r and
+    2P-1-r, so the first and the last stage share rank 0), split backward, W in the
+    bubbles. For 4 stages on 2 ranks, 4 micro-batches::
+
+        GRID
+    """
+    _check(num_stages, num_microbatches)
+    if num_stages % 2:
+        raise ScheduleError(
+            f"V placement needs an even num_stages (two per rank), got {num_stages}; use {num_stages + 1}"
+        )
+    p = num_stages // 2
+    ranks = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
+    return list_schedule(ranks, num_microbatches, split_backward=True, admit=[2 * (p - r) for r in range(p)])
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1,
+}
 INTERLEAVED = {"interleaved": interleaved_one_f_one_b}
+V_SHAPED = {"zbv": zero_bubble_v}
 
 
 def stages_per_rank(name: str) -> int:
     """How many stages the named schedule puts on each pipeline rank by default."""
-    return 2 if name.lower() in INTERLEAVED else 1
+    return 2 if name.lower() in INTERLEAVED or name.lower() in V_SHAPED else 1
+
+
+def splits_backward(schedule: Sequence[Sequence[Action]]) -> bool:
+    """Whether a schedule runs weight gradients (W) apart from input gradients (B)."""
+    return any(a.kind == WEIGHT for actions in schedule for a in actions)
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, num_ranks: int | None = None) -> Schedule:
@@ -146,6 +251,14 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, num_ranks: 
     if key in INTERLEAVED:
         ranks = num_ranks or max(1, num_stages // stages_per_rank(key))
         schedule = INTERLEAVED[key](ranks, num_stages, num_microbatches)
+    elif key in V_SHAPED:
+        if num_ranks not in (None, num_stages // 2) or num_stages % 2:
+            raise ScheduleError(
+                f"the {name!r} schedule puts two stages on each rank in a V: num_stages must be twice the "
+                f"pipeline ranks, got num_stages={num_stages} on {num_ranks} ranks; use num_stages="
+                f"{2 * (num_ranks or 1)}"
+            )
+        schedule = V_SHAPED[key](num_stages, num_microbatches)
     elif key in SCHEDULES:
         if num_ranks not in (None, num_stages):
             raise ScheduleError(
@@ -154,7 +267,9 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, num_ranks: 
             )
         schedule = SCHEDULES[key](num_stages, num_microbatches)
     else:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted([*SCHEDULES, *INTERLEAVED])}")
+        raise ScheduleError(
+            f"unknown schedule {name!r}; choose one of {sorted([*SCHEDULES, *INTERLEAVED, *V_SHAPED])}"
+        )
     validate(schedule, num_stages, num_microbatches)
     return schedule
 

@@ -1,0 +1,117 @@
+"""Split backward for zero-bubble schedules: input gradients now (B), weight gradients later (W).
+
+A stage module rewritten by :func:`defer_linear_weight_grads` computes every linear
+layer through :class:`_Linear`. Its backward always returns the input gradient; while
+a :class:`WeightGrads` collector is active it only records ``(x, dy)`` for the weight
+and bias instead of computing them, and :meth:`WeightGrads.apply` later accumulates
+``dy^T x`` and ``sum(dy)`` into ``.grad`` — the same arithmetic autograd would do,
+just at another time. Other ops keep their weight gradients in B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = ["WeightGrads", "defer_linear_weight_grads", "collecting"]
+
+_active = threading.local()
+
+
+class WeightGrads:
+    """The deferred weight-gradient work of one (stage, micro-batch) backward."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def apply(self) -> None:
+        """Accumulate every recorded weight and bias gradient into ``.grad``."""
+        for weight, bias, x, dy in self.pending:
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            if weight.requires_grad:
+                _accumulate(weight, dy2.t().mm(x.reshape(-1, x.shape[-1])))
+            if bias is not None and bias.requires_grad:
+                _accumulate(bias, dy2.sum(0))
+        self.pending.clear()
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad += g
+
+
+@contextlib.contextmanager
+def collecting(sink: WeightGrads | None) -> Iterator[None]:
+    """While active, linear backwards record their weight gradients into ``sink``."""
+    previous = getattr(_active, "sink", None)
+    _active.sink = sink
+    try:
+        yield
+    finally:
+        _active.sink = previous
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, bias = ctx.saved_tensors
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        sink = getattr(_active, "sink", None)
+        if sink is not None:
+            sink.pending.append((weight, bias, x, dy))
+            return dx, None, None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dw = dy2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose weight gradient can be deferred; plain ``F.linear`` when no grad is needed."""
+    if not torch.is_grad_enabled() or not (weight.requires_grad or x.requires_grad):
+        return F.linear(x, weight, bias)
+    return _Linear.apply(x, weight, bias)
+
+
+torch.fx.wrap("linear")  # keep it one node if a rewritten module is ever traced again
+
+
+def defer_linear_weight_grads(module: fx.GraphModule) -> int:
+    """Route every ``nn.Linear`` and ``F.linear`` of ``module`` through :func:`linear`.
+    Returns how many were rewritten."""
+    graph = module.graph
+    count = 0
+    for n in list(graph.nodes):
+        if n.op == "call_module" and type(module.get_submodule(str(n.target))) is torch.nn.Linear:
+            with graph.inserting_before(n):
+                weight = graph.get_attr(f"{n.target}.weight")
+                bias = graph.get_attr(f"{n.target}.bias") if module.get_submodule(str(n.target)).bias is not None \
+                    else None
+                new = graph.call_function(linear, (n.args[0], weight, bias))
+        elif n.op == "call_function" and n.target in (F.linear, torch._C._nn.linear):
+            with graph.inserting_before(n):
+                new = graph.call_function(linear, n.args, dict(n.kwargs))
+        else:
+            continue
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
+        count += 1
+    if count:
+        graph.lint()
+        module.recompile()
+    return count
