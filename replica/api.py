@@ -133,7 +133,8 @@ def plan(
 ) -> Plan:
     """Plan only: trace ``model`` (meta tensors welcome), price it on ``device`` and cut it.
 
-    ``num_stages`` defaults to ``world_size`` (one stage per device), else 1. ``cost``:
+    ``num_stages`` defaults to ``world_size`` (one stage per device), else 1; a
+    ``num_stages`` that divides ``world_size`` leaves data-parallel replicas. ``cost``:
     ``"profile"`` times every op here on real tensors, ``"analytic"`` prices FLOPs and
     bytes on ``device``'s spec; ``"auto"`` profiles when the model and inputs are real
     and no other ``device`` is named.
@@ -144,9 +145,12 @@ def plan(
     schedule = _check_schedule(schedule)
     traced = trace(model, example_inputs, leaf_modules=leaf_modules)
     inputs, _ = normalize_inputs(model, example_inputs)
-    stages = num_stages or world_size or 1
-    return _make_plan(traced, model, inputs, num_stages=stages, num_microbatches=num_microbatches,
-                      schedule=schedule, device=device, cost=cost)
+    stages, replicas = num_stages or stages_per_rank(schedule), 1
+    if world_size is not None:
+        stages, _, replicas = _layout(schedule, num_stages, None, world_size)
+    result = _make_plan(traced, model, inputs, num_stages=stages, num_microbatches=num_microbatches,
+                        schedule=schedule, device=device, cost=cost)
+    return dataclasses.replace(result, data_parallel_size=replicas)
 
 
 def _distributed() -> bool:
@@ -225,7 +229,7 @@ def auto_parallel(
     *,
     num_stages: int | None = None,
     num_microbatches: int | None = None,
-    schedule: str = "1f1b",
+    schedule: str | None = None,
     loss_fn: LossFn | None = None,
     loss_reduction: str = "mean",
     data_parallel_size: int | None = None,
@@ -246,7 +250,8 @@ def auto_parallel(
     ``loss_reduction`` says (``"mean"`` over the samples, as the default of torch's
     losses, or ``"sum"``); the pipeline weighs micro-batches so the gradient equals
     the whole batch's. ``plan`` reuses a plan (e.g. ``Plan.from_json``) instead of
-    solving again. ``cost`` is as for :func:`plan`. ``timeout_s`` bounds every wait on
+    solving again; ``schedule`` defaults to ``"1f1b"`` (or the plan's). ``cost`` is as for
+    :func:`plan`. ``timeout_s`` bounds every wait on
     another rank.
     """
     if not isinstance(model, torch.nn.Module):
@@ -259,7 +264,17 @@ def auto_parallel(
     _check_count("num_stages", num_stages)
     _check_count("num_microbatches", num_microbatches)
     _check_count("data_parallel_size", data_parallel_size)
-    schedule = _check_schedule(schedule)
+    if plan is not None:
+        for name, given, planned in (("num_stages", num_stages, plan.num_stages),
+                                     ("num_microbatches", num_microbatches, plan.num_microbatches),
+                                     ("schedule", schedule, plan.schedule)):
+            if given is not None and given != planned:
+                raise ConfigError(
+                    f"{name}={given!r} disagrees with the plan passed in, which has {name}={planned!r}; "
+                    f"leave {name} out to use the plan's, or re-plan"
+                )
+        schedule = plan.schedule
+    schedule = _check_schedule("1f1b" if schedule is None else schedule)
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn must be callable(output, target) -> scalar tensor, got {type(loss_fn).__name__}")
     if loss_reduction not in ("mean", "sum"):
@@ -270,8 +285,7 @@ def auto_parallel(
     inputs, _ = normalize_inputs(model, example_inputs)
     world = dist.get_world_size() if _distributed() else 1
     if plan is not None:
-        num_stages = num_stages or plan.num_stages
-        schedule = plan.schedule
+        num_stages = plan.num_stages
     if world > 1:
         stages, ranks, replicas = _layout(schedule, num_stages, data_parallel_size, world)
     else:

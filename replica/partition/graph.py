@@ -62,7 +62,9 @@ class Node:
     the op (``linear``, ``add``, ``transformer.h.0.attn.c_attn``...). ``outputs``
     lists every tensor the node produces (empty for a Python value such as a size);
     ``value_kind`` is ``"tensor"``, ``"value"`` (a Python value) or ``"container"``
-    (a tuple of tensors, as ``split`` makes: never cut between it and its readers).
+    (a tuple of tensors, as ``split`` makes: never cut between it and its readers);
+    ``writes_into`` names the value an in-place write through a view changes (never
+    cut between that value and this node).
     """
 
     name: str
@@ -72,6 +74,7 @@ class Node:
     inputs: tuple[str, ...]
     outputs: tuple[TensorInfo, ...] = ()
     value_kind: str = "tensor"
+    writes_into: str | None = None
     flops: float = 0.0
     bytes_accessed: float = 0.0
     parameters: tuple[str, ...] = ()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from replica.errors import PartitionError
 from replica.partition.cost import CostModel
-from replica.partition.graph import INPUT, OP, Graph
+from replica.partition.graph import INPUT, OP, Graph, TensorInfo
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
 from replica.partition.solver import Transfer, interval_costs, solve
 
@@ -72,6 +72,9 @@ def partition(
         if n.value_kind == "container" and n.users:  # tuples of tensors stay with their readers
             for p in range(i + 1, max(index[u] for u in n.users) + 1):
                 allowed[p] = False
+        if n.writes_into is not None:  # a write through a view happens where its base lives
+            for p in range(index[n.writes_into] + 1, i + 1):
+                allowed[p] = False
     cost = interval_costs(item_costs, transfers)
     # Everything a stage sends to its neighbours in one direction travels as one message per
     # micro-batch: every stage but the first pays the latency of receiving (and sending back
@@ -110,13 +113,19 @@ def partition(
         held = in_flight_microbatches(schedule, k, num_stages, m)
         fwd = sum(cost_model.forward_time(n, m) for n in members)
         bwd = sum(cost_model.backward_time(n, m) for n in members)
+        comm = sum(
+            (2 if b.dtype is not None and TensorInfo((), b.dtype).is_floating else 1)
+            * cost_model.transfer_time(b.nbytes, num_messages=0)
+            for b in (*incoming[k], *boundaries[k])
+        ) + latency * ((k > 0) + (k < num_stages - 1))
         stages.append(StagePlan(
             stage_index=k,
             node_names=tuple(n.name for n in members),
             parameter_names=tuple(params),
             forward_time_s=fwd,
             backward_time_s=bwd,
-            communication_time_s=float(cost[bounds[k], bounds[k + 1]]) - fwd - bwd,
+            communication_time_s=comm,
+            num_ops=sum(1 for n in members if n.kind == OP),
             memory=MemoryBreakdown(
                 parameters=weight_bytes + buffer_bytes,
                 gradients=weight_bytes,

@@ -60,6 +60,7 @@ class StagePlan:
     inputs: tuple[BoundaryTensor, ...] = ()
     outputs: tuple[BoundaryTensor, ...] = ()
     module_paths: tuple[str, ...] = ()
+    num_ops: int = 0
 
     @property
     def predicted_time_s(self) -> float:
@@ -138,6 +139,7 @@ class Plan:
                     backward_time_s=s["backward_time_s"], communication_time_s=s["communication_time_s"],
                     memory=MemoryBreakdown(**s["memory"]), inputs=tuple(boundary(b) for b in s["inputs"]),
                     outputs=tuple(boundary(b) for b in s["outputs"]), module_paths=tuple(s["module_paths"]),
+                    num_ops=s.get("num_ops", 0),
                 )
                 for s in data.pop("stages")
             )
@@ -162,7 +164,7 @@ class Plan:
             table.add_column(col, justify="left" if col in ("modules", "sends") else "right")
         for s in self.stages:
             table.add_row(
-                str(s.stage_index), str(len(s.node_names)), _bytes(s.memory.parameters),
+                str(s.stage_index), str(s.num_ops), _bytes(s.memory.parameters),
                 _span(s.module_paths), _seconds(s.forward_time_s + s.backward_time_s),
                 _seconds(s.communication_time_s), _bytes(s.predicted_memory_bytes),
                 ", ".join(f"{_bytes(b.nbytes)}→{'/'.join(map(str, b.destination_stages))}" for b in s.outputs[:3])

@@ -10,24 +10,18 @@ and a tied weight held by two stages is the same ``Parameter``.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from replica.errors import ConfigError
+from replica.partition.mutation import mutated_inputs
 from replica.partition.partitioner import fingerprint
 from replica.partition.plan import Plan
 from replica.partition.trace import Traced
 
 __all__ = ["StageModule", "split"]
-
-_INPLACE_FUNCTIONS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-    operator.ilshift, operator.irshift, operator.imatmul, operator.setitem,
-}
 
 
 @dataclass
@@ -42,42 +36,6 @@ class StageModule:
     output_destinations: tuple[tuple[int, ...], ...]
     is_first: bool
     is_last: bool
-
-
-def _mutates_first_argument(n: fx.Node, gm: fx.GraphModule) -> bool:
-    if n.op == "call_module":
-        return bool(getattr(gm.get_submodule(str(n.target)), "inplace", False))
-    if n.op == "call_method":
-        name = str(n.target)
-        return name.endswith("_") and not name.startswith("_")
-    if n.op == "call_function":
-        if n.target in _INPLACE_FUNCTIONS or n.kwargs.get("inplace", False):
-            return True
-        name = getattr(n.target, "__name__", "")
-        return name.endswith("_") and not name.startswith("_")
-    return False
-
-
-_VIEWS = frozenset(
-    "view view_as reshape transpose permute expand expand_as narrow select squeeze unsqueeze flatten "
-    "unflatten t split chunk unbind getitem as_strided diagonal movedim swapaxes unfold".split()
-)
-
-
-def _mutated_inputs(nodes: list[fx.Node], received: set[str], gm: fx.GraphModule) -> set[str]:
-    """Received values that an in-place op writes into, directly or through views of them."""
-    root: dict[str, str] = {name: name for name in received}  # alias -> received value
-    mutated: set[str] = set()
-    for n in nodes:
-        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if first is None or first.name not in root:
-            continue
-        name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
-        if _mutates_first_argument(n, gm):
-            mutated.add(root[first.name])
-        elif n.op in ("call_method", "call_function") and name in _VIEWS:
-            root[n.name] = root[first.name]
-    return mutated
 
 
 def split(traced: Traced, plan: Plan) -> list[StageModule]:
@@ -102,7 +60,7 @@ def split(traced: Traced, plan: Plan) -> list[StageModule]:
         env: dict[str, fx.Node] = {}
         mine = [n for n in fx_nodes if stage_of[n.name] == k]
         received = {b.name for b in s.inputs}
-        mutated = _mutated_inputs(mine, received, gm)
+        mutated = mutated_inputs(mine, received, gm)
         for b in s.inputs:
             env[b.name] = g.placeholder(b.name)
             if b.name in mutated:  # an in-place op must not write into a received leaf tensor

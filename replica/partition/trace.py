@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from replica.errors import ConfigError, TraceError
 from replica.partition.graph import INPUT, OP, OUTPUT, Graph, Node, ParameterInfo, TensorInfo
+from replica.partition.mutation import make_writes_explicit, view_writes
 
 __all__ = ["Traced", "trace", "normalize_inputs"]
 
@@ -70,15 +71,16 @@ def normalize_inputs(model: torch.nn.Module, example_inputs: Any) -> tuple[tuple
 class _Tracer(fx.Tracer):
     """``fx.Tracer`` with user leaf modules and a record of where tracing failed."""
 
-    def __init__(self, leaf_modules: Sequence[type | str]) -> None:
+    def __init__(self, leaf_modules: Sequence[type | str | torch.nn.Module]) -> None:
         super().__init__()
         self.leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
         self.leaf_paths = {t for t in leaf_modules if isinstance(t, str)}
+        self.leaf_ids = {id(t) for t in leaf_modules if isinstance(t, torch.nn.Module)}
         self.path: list[tuple[str, str]] = []
         self.failed_at: list[tuple[str, str]] | None = None
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, self.leaf_types) or module_qualified_name in self.leaf_paths:
+        if isinstance(m, self.leaf_types) or module_qualified_name in self.leaf_paths or id(m) in self.leaf_ids:
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
@@ -106,7 +108,32 @@ def _user_frame(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
 
 
-def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Sequence[type | str]) -> fx.GraphModule:
+def _check_leaf_modules(model: torch.nn.Module, leaf_modules: Sequence[Any]) -> None:
+    names = dict(model.named_modules())
+    ids = {id(m) for m in names.values()}
+    for leaf in leaf_modules:
+        if isinstance(leaf, type) and issubclass(leaf, torch.nn.Module):
+            continue
+        if isinstance(leaf, str):
+            if leaf not in names:
+                near = [n for n in names if n and (n.startswith(leaf.rsplit(".", 1)[0]) or leaf in n)][:5]
+                raise ConfigError(
+                    f"leaf_modules names {leaf!r}, which is no sub-module of {type(model).__name__}"
+                    f"{f'; did you mean one of {near}' if near else ''}? Use qualified names as "
+                    "model.named_modules() gives them, or module classes."
+                )
+            continue
+        if isinstance(leaf, torch.nn.Module):
+            if id(leaf) not in ids:
+                raise ConfigError(f"leaf_modules holds a {type(leaf).__name__} that is not part of the model")
+            continue
+        raise ConfigError(
+            f"leaf_modules entries must be module classes, qualified names or sub-modules; got {leaf!r}"
+        )
+
+
+def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Sequence[Any]) -> fx.GraphModule:
+    _check_leaf_modules(model, leaf_modules)
     tracer = _Tracer(leaf_modules)
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
@@ -131,7 +158,9 @@ def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Se
             anchor.prepend(ph) if anchor.op != "placeholder" else anchor.append(ph)
         anchor = ph
     graph.lint()
-    return fx.GraphModule(model, graph, class_name=type(model).__name__)
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    make_writes_explicit(gm)
+    return gm
 
 
 def _tensor_info(value: Any) -> tuple[TensorInfo, ...]:
@@ -245,12 +274,12 @@ def trace(
     model: torch.nn.Module,
     example_inputs: Any,
     *,
-    leaf_modules: Iterable[type | str] = (),
+    leaf_modules: Iterable[type | str | torch.nn.Module] = (),
 ) -> Traced:
     """Trace ``model`` with ``torch.fx`` and build Replica's :class:`Graph`.
 
-    ``leaf_modules`` are module classes or qualified names kept whole (not traced
-    into). Inputs on the ``meta`` device (or fake tensors) propagate shapes without
+    ``leaf_modules`` are module classes, qualified names or sub-modules kept whole
+    (not traced into). Inputs on the ``meta`` device (or fake tensors) propagate shapes without
     computing or allocating anything, so any model size can be traced.
     """
     if not isinstance(model, torch.nn.Module):
@@ -259,6 +288,7 @@ def trace(
     gm = _fx_trace(model, concrete, tuple(leaf_modules))
     names, infos = _named_tensors(model)
     recorder = _record(gm, inputs, names)
+    pinned = view_writes(gm)
 
     def owned(obj: Any, prefix: str) -> tuple[list[str], list[str]]:
         params, bufs = [], []
@@ -313,7 +343,7 @@ def trace(
         kind = INPUT if n.op == "placeholder" else OUTPUT if n.op == "output" else OP
         nodes.append(Node(
             name=n.name, kind=kind, target=op, module_path=path, inputs=tuple(dict.fromkeys(inputs_)),
-            outputs=outputs, value_kind=recorder.kinds.get(n.name, "value"),
+            outputs=outputs, value_kind=recorder.kinds.get(n.name, "value"), writes_into=pinned.get(n.name),
             flops=recorder.flops.get(n.name, 0.0), bytes_accessed=moved,
             parameters=tuple(dict.fromkeys(params)), buffers=tuple(dict.fromkeys(bufs)),
         ))
