@@ -1,0 +1,38 @@
+"""The ``replica`` command line."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from replica.cli import main
+
+
+def tiny_factory():
+    """A factory the CLI loads by name: returns (model, example_inputs)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return model, (torch.randn(4, 8),)
+
+
+def test_plan_prints_a_summary_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "tests.test_cli:tiny_factory", "--num-stages", "2", "--device", "a100-80gb",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 stages" in text and "balance" in text
+    assert json.loads(out.read_text())["num_stages"] == 2
+
+
+def test_plan_with_a_world_size(capsys):
+    assert main(["plan", "tests.test_cli:tiny_factory", "--world-size", "4", "--num-stages", "2",
+                 "--device", "a100-80gb"]) == 0
+    assert "2 replicas" in capsys.readouterr().out
+
+
+def test_bad_factory_is_a_clear_error(capsys):
+    assert main(["plan", "tests.test_cli:nothing_here"]) == 2
+    assert "nothing_here" in capsys.readouterr().err
+    assert main(["plan", "no_colon"]) == 2
+    assert "MODULE:FACTORY" in capsys.readouterr().err
