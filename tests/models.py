@@ -288,7 +288,9 @@ class RandomDAG(nn.Module):
     """Node 0 projects the input to ``width``; node i applies ``nodes[i-1]`` to earlier
     nodes; the output is ``head`` of the sum of every node no later node reads."""
 
-    def __init__(self, nodes: list[Node], linears: list[nn.Linear], d_in: int, width: int, d_out: int) -> None:
+    def __init__(
+        self, nodes: list[Node], linears: list[nn.Linear], d_in: int, width: int, d_out: int
+    ) -> None:
         super().__init__()
         self.nodes = nodes
         self.inp = nn.Linear(d_in, width)

@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 from replica.partition.solver import INF, Partition, Transfer, brute_force, interval_costs, solve
 
 
-def cut(items: list[float], num_stages: int, transfers: tuple[Transfer, ...] = (), **kw: object) -> tuple[int, ...]:
+def cut(
+    items: list[float], num_stages: int, transfers: tuple[Transfer, ...] = (), **kw: object
+) -> tuple[int, ...]:
+    """Bounds of the best partition of ``items`` into ``num_stages``."""
     return solve(interval_costs(items, transfers), num_stages, **kw).bounds  # type: ignore[arg-type]
 
 
@@ -42,8 +45,15 @@ def test_uneven_items() -> None:
     assert p.bounds == (0, 3, 5, 6) and p.bottleneck == 9.0 and p.stage_costs == (6.0, 9.0, 6.0)
 
 
-def test_bottleneck_first_seen_on_first_stage() -> None:
+def test_bottleneck_on_first_stage() -> None:
     assert solve(interval_costs([4, 1, 1, 1, 1]), 2).bottleneck == 4.0
+
+
+def test_ties_broken_towards_even_stages() -> None:
+    # every partition with stage 0 = [5] has bottleneck 5; the rest split evenly
+    p = solve(interval_costs([5, 1, 1, 1, 1]), 3)
+    assert p.bounds == (0, 1, 3, 5) and p.stage_costs == (5.0, 2.0, 2.0)
+    assert cut([1, 1, 1, 1, 1, 1, 6], 3) == (0, 3, 6, 7)
 
 
 def test_transfer_moves_cut() -> None:
@@ -51,7 +61,7 @@ def test_transfer_moves_cut() -> None:
     # that cut cost 10 on both sides, so the cut moves to a free position
     assert cut([1, 1, 1, 1], 2) == (0, 2, 4)
     big = (Transfer(producer=1, consumers=(2,), cost=10.0),)
-    assert cut([1, 1, 1, 1], 2, big) == (0, 1, 4) or cut([1, 1, 1, 1], 2, big) == (0, 3, 4)
+    assert cut([1, 1, 1, 1], 2, big) in {(0, 1, 4), (0, 3, 4)}
     assert solve(interval_costs([1, 1, 1, 1], big), 2).bottleneck == 3.0
 
 
@@ -114,7 +124,7 @@ def test_allowed_cuts_ends_need_not_be_set() -> None:
 
 
 def test_too_many_stages() -> None:
-    with pytest.raises(ValueError, match="3 items into 4"):
+    with pytest.raises(ValueError, match="3 items into 4 non-empty"):
         solve(interval_costs([1, 1, 1]), 4)
 
 
@@ -220,8 +230,23 @@ def test_solve_matches_brute_force(problem: tuple[np.ndarray, int, list[bool] | 
             solve(cost, num_stages, allowed_cuts=allowed)
         return
     p = solve(cost, num_stages, allowed_cuts=allowed)
-    assert p.bottleneck == best
+    assert p.bottleneck == pytest.approx(best, rel=1e-9, abs=0)
     check_partition(p, cost, num_stages, allowed)
+    # among the optimal partitions, the most even one (least sum of squared stage costs)
+    assert sum(c * c for c in p.stage_costs) == pytest.approx(min_squares(cost, num_stages, allowed, best))
+
+
+def min_squares(cost: np.ndarray, num_stages: int, allowed: list[bool] | None, bottleneck: float) -> float:
+    n = cost.shape[-1] - 1
+    positions = [q for q in range(1, n) if allowed is None or allowed[q]]
+    best = INF
+    for cuts in itertools.combinations(positions, num_stages - 1):
+        bounds = (0, *cuts, n)
+        pairs = enumerate(itertools.pairwise(bounds))
+        costs = [float((cost[k] if cost.ndim == 3 else cost)[a, b]) for k, (a, b) in pairs]
+        if max(costs) <= bottleneck:
+            best = min(best, sum(c * c for c in costs))
+    return best
 
 
 def check_partition(p: Partition, cost: np.ndarray, num_stages: int, allowed: list[bool] | None) -> None:
