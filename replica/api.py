@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from replica.pipeline.schedule import (
     SCHEDULES,
     V_SHAPED,
     make_schedule,
+    max_in_flight,
     splits_backward,
     stages_per_rank,
 )
@@ -83,16 +84,22 @@ def _is_real(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
     return all(t.device.type != "meta" and type(t).__name__ != "FakeTensor" for t in tensors)
 
 
+DeviceArg = "str | DeviceSpec | Sequence[str | DeviceSpec] | None"
+
+
 def _make_plan(
     traced: Traced,
     model: torch.nn.Module,
     inputs: tuple[torch.Tensor, ...],
     *,
     num_stages: int,
+    num_ranks: int | None,
     num_microbatches: int | None,
     schedule: str,
-    device: "str | DeviceSpec | None",
+    device: Any,
     cost: str = "auto",
+    memory_budget: float | Sequence[float] | None = None,
+    memory_model: MemoryModel = MemoryModel(),
 ) -> Plan:
     batch = microbatch.batch_size(inputs, "example_inputs")
     m = num_microbatches or _default_microbatches(batch, num_stages)
@@ -109,14 +116,24 @@ def _make_plan(
             "cost='profile' times every op on real tensors, but the model or example_inputs are on the meta "
             "device (or fake). Use cost='analytic' to plan without weights, or pass real tensors."
         )
-    spec = device_spec(device if device is not None else _default_device(model))
+    if isinstance(device, (list, tuple)):
+        if len(device) != num_stages:
+            raise ConfigError(f"{len(device)} devices for num_stages={num_stages}: give one device per stage")
+        specs = [device_spec(d) for d in device]
+    else:
+        specs = [device_spec(device if device is not None else _default_device(model))] * num_stages
     measured = {}
     if cost == "profile" or (cost == "auto" and real and device is None and num_stages > 1):
         # Time each op on one micro-batch where the model lives: what the stages will run.
         measured = profile(traced.module, microbatch.split(inputs, m, "example_inputs")[0])
-    cost_model = CostModel(spec, dtype=_model_dtype(model), measured=measured)
-    return partition(traced.graph, cost_model, num_stages=num_stages, num_microbatches=m,
-                     schedule=schedule, memory_model=MemoryModel())
+    dtype = _model_dtype(model)
+    by_spec: dict[int, CostModel] = {}
+    models = [by_spec.setdefault(id(sp), CostModel(sp, dtype=dtype, measured=measured)) for sp in specs]
+    if memory_budget is None and all(sp.memory_bytes < float("inf") for sp in specs) and not measured:
+        memory_budget = [sp.memory_bytes for sp in specs]  # planning for accelerators: they must fit
+    in_flight = max_in_flight(make_schedule(schedule, num_stages, m, num_ranks), num_stages)
+    return partition(traced.graph, models, num_stages=num_stages, num_microbatches=m, schedule=schedule,
+                     memory_model=memory_model, memory_budget=memory_budget, in_flight=in_flight)
 
 
 def plan(
@@ -127,17 +144,24 @@ def plan(
     num_stages: int | None = None,
     num_microbatches: int | None = None,
     schedule: str = "1f1b",
-    device: "str | DeviceSpec | None" = None,
-    leaf_modules: Iterable[type | str] = (),
+    device: Any = None,
+    leaf_modules: Iterable[type | str | torch.nn.Module] = (),
     cost: str = "auto",
+    memory_budget: float | Sequence[float] | None = None,
+    optimizer: str = "adam",
+    mixed_precision: bool = False,
 ) -> Plan:
     """Plan only: trace ``model`` (meta tensors welcome), price it on ``device`` and cut it.
 
     ``num_stages`` defaults to ``world_size`` (one stage per device), else 1; a
-    ``num_stages`` that divides ``world_size`` leaves data-parallel replicas. ``cost``:
-    ``"profile"`` times every op here on real tensors, ``"analytic"`` prices FLOPs and
-    bytes on ``device``'s spec; ``"auto"`` profiles when the model and inputs are real
-    and no other ``device`` is named.
+    ``num_stages`` that divides ``world_size`` leaves data-parallel replicas. ``device``
+    is a preset name, a ``DeviceSpec``, or one per stage (heterogeneous pipelines).
+    ``cost``: ``"profile"`` times every op here on real tensors, ``"analytic"`` prices
+    FLOPs and bytes on ``device``'s spec; ``"auto"`` profiles when the model and inputs
+    are real and no other ``device`` is named. ``memory_budget`` (bytes per device, or
+    one per stage; default the device's memory when planning analytically) bounds
+    weights + gradients + ``optimizer`` state (+ fp32 master weights with
+    ``mixed_precision``) + in-flight activations of every stage.
     """
     _check_count("world_size", world_size)
     _check_count("num_stages", num_stages)
@@ -145,11 +169,13 @@ def plan(
     schedule = _check_schedule(schedule)
     traced = trace(model, example_inputs, leaf_modules=leaf_modules)
     inputs, _ = normalize_inputs(model, example_inputs)
-    stages, replicas = num_stages or stages_per_rank(schedule), 1
+    stages, ranks, replicas = num_stages or stages_per_rank(schedule), None, 1
     if world_size is not None:
-        stages, _, replicas = _layout(schedule, num_stages, None, world_size)
-    result = _make_plan(traced, model, inputs, num_stages=stages, num_microbatches=num_microbatches,
-                        schedule=schedule, device=device, cost=cost)
+        stages, ranks, replicas = _layout(schedule, num_stages, None, world_size)
+    result = _make_plan(traced, model, inputs, num_stages=stages, num_ranks=ranks,
+                        num_microbatches=num_microbatches, schedule=schedule, device=device, cost=cost,
+                        memory_budget=memory_budget,
+                        memory_model=MemoryModel(optimizer=optimizer, mixed_precision=mixed_precision))
     return dataclasses.replace(result, data_parallel_size=replicas)
 
 
@@ -237,6 +263,7 @@ def auto_parallel(
     leaf_modules: Iterable[type | str] = (),
     plan: Plan | None = None,
     cost: str = "auto",
+    memory_budget: float | Sequence[float] | None = None,
     timeout_s: float = 300.0,
 ) -> "PipelineModel":
     """Trace, price, partition and split ``model`` into a pipeline.
@@ -251,7 +278,7 @@ def auto_parallel(
     losses, or ``"sum"``); the pipeline weighs micro-batches so the gradient equals
     the whole batch's. ``plan`` reuses a plan (e.g. ``Plan.from_json``) instead of
     solving again; ``schedule`` defaults to ``"1f1b"`` (or the plan's). ``cost`` is as for
-    :func:`plan`. ``timeout_s`` bounds every wait on
+    :func:`plan`, and so is ``memory_budget``. ``timeout_s`` bounds every wait on
     another rank.
     """
     if not isinstance(model, torch.nn.Module):
@@ -292,14 +319,22 @@ def auto_parallel(
         stages = num_stages or stages_per_rank(schedule)
         ranks, replicas = max(1, stages // stages_per_rank(schedule)), 1
     if plan is None and (world == 1 or dist.get_rank() == 0):
-        plan = _make_plan(traced, model, inputs, num_stages=stages, num_microbatches=num_microbatches,
-                          schedule=schedule, device=device, cost=cost)
+        plan = _make_plan(traced, model, inputs, num_stages=stages, num_ranks=ranks,
+                          num_microbatches=num_microbatches, schedule=schedule, device=device, cost=cost,
+                          memory_budget=memory_budget)
         plan = dataclasses.replace(plan, data_parallel_size=replicas)
-    if world > 1:
-        plan = _agree_on_plan(plan, traced)
-    assert plan is not None
-    return PipelineModel(model, traced, plan, num_inputs=len(inputs), loss_fn=loss_fn,
-                         loss_reduction=loss_reduction, num_pipeline_ranks=ranks, timeout_s=timeout_s)
+    try:
+        if world > 1:
+            plan = _agree_on_plan(plan, traced)
+        assert plan is not None
+        return PipelineModel(model, traced, plan, num_inputs=len(inputs), loss_fn=loss_fn,
+                             loss_reduction=loss_reduction, num_pipeline_ranks=ranks, timeout_s=timeout_s)
+    except RuntimeError as exc:  # a collective of the set-up failed: a peer died or hung
+        raise PipelineError(
+            f"setting up the pipeline on rank {dist.get_rank()} of {world} failed while the ranks exchanged the "
+            f"plan and built their process groups: {type(exc).__name__}: {str(exc).splitlines()[0]}. Another "
+            "rank died, hung, or never called auto_parallel."
+        ) from exc
 
 
 class PipelineModel:

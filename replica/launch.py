@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -31,8 +32,11 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: in
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.barrier()  # every rank connected before any may leave
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            # pickled here: a tensor put on the queue would be shared through this process,
+            # unreadable once it has exited
+            results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException as exc:  # report to the parent instead of dying silently
@@ -88,4 +92,4 @@ def run_local(
         lines = [f"rank {r}: {v}" for r, v in sorted(errors.items())]
         lines += [f"rank {r}: no report (exit code {procs[r].exitcode})" for r in missing]
         raise PipelineError(f"{len(errors) + len(missing)} of {world_size} ranks failed:\n" + "\n".join(lines))
-    return [reports[r][1] if r in reports else None for r in range(world_size)]
+    return [pickle.loads(reports[r][1]) if r in reports else None for r in range(world_size)]

@@ -1,24 +1,53 @@
-"""From a priced graph to a plan: price every candidate stage, solve, describe the cuts."""
+"""From a priced graph to a plan: price every candidate stage, solve, describe the cuts.
+
+A stage ``[i, j)`` of the graph's topological order costs its ops' forward and
+backward time plus every tensor it sends or receives (once per hop, activation
+and gradient), plus a message latency per neighbour; it holds its weights,
+gradients, optimizer state and the activations of the micro-batches the schedule
+keeps in flight there. Graphs of up to ``MAX_EXACT_POSITIONS`` ops are cut exactly
+at every op boundary; larger ones are first coarsened to the cheapest cut points
+(module boundaries and the other local minima of the bytes crossing), exactly
+solved over those, and the plan reports the gap to a lower bound.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
+from typing import Sequence
 
-from replica.errors import PartitionError
+import numpy as np
+
+from replica.errors import ConfigError, PartitionError
 from replica.partition.cost import CostModel
-from replica.partition.graph import INPUT, OP, Graph, TensorInfo
+from replica.partition.graph import INPUT, OP, Graph, Node, TensorInfo
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
 from replica.partition.solver import Transfer, interval_costs, solve
 
-__all__ = ["MemoryModel", "partition", "fingerprint", "in_flight_microbatches"]
+__all__ = ["MemoryModel", "partition", "fingerprint", "in_flight_microbatches", "MAX_EXACT_POSITIONS"]
+
+MAX_EXACT_POSITIONS = 1200
+INF = float("inf")
+
+_OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1, "rmsprop": 1, "none": 0}
 
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes of optimizer state per parameter byte (Adam keeps two fp32 moments: 2.0)."""
+    """What training keeps per parameter: the weight, its gradient (same dtype), the
+    optimizer's fp32 states (Adam: two moments) and, with ``mixed_precision``, an fp32
+    master copy of every half-precision weight."""
 
-    optimizer_state_factor: float = 2.0
+    optimizer: str = "adam"
+    mixed_precision: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in _OPTIMIZER_STATES:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r} for memory; one of {sorted(_OPTIMIZER_STATES)}")
+
+    def optimizer_bytes(self, numel: int) -> int:
+        return numel * 4 * (_OPTIMIZER_STATES[self.optimizer] + (1 if self.mixed_precision else 0))
 
 
 def fingerprint(graph: Graph) -> str:
@@ -31,24 +60,63 @@ def fingerprint(graph: Graph) -> str:
 
 def in_flight_microbatches(schedule: str, stage_index: int, num_stages: int, num_microbatches: int) -> int:
     """Micro-batches whose activations a stage holds at once: all of them under GPipe,
-    ``num_stages - stage_index`` under 1F1B."""
+    ``num_stages - stage_index`` under 1F1B (the default when the schedule's own
+    replayed counts are not given)."""
     if schedule == "gpipe":
         return num_microbatches
     return min(num_microbatches, num_stages - stage_index)
 
 
+def _saves_activation(n: Node) -> bool:
+    return n.kind == OP and (n.flops > 0 or n.bytes_accessed > 0) and any(t.is_floating for t in n.outputs)
+
+
+def _cut_candidates(graph: Graph, allowed: list[bool], limit: int) -> list[int]:
+    """Positions worth cutting at when there are too many: module boundaries and the local
+    minima of the bytes crossing a cut, cheapest first, at most ``limit`` of them."""
+    nodes = graph.nodes
+    n = len(nodes)
+    index = {x.name: i for i, x in enumerate(nodes)}
+    delta = np.zeros(n + 2)
+    for i, x in enumerate(nodes):
+        if x.users:
+            delta[i + 1] += x.output_bytes + 1  # +1: a Python value still costs a message
+            delta[max(index[u] for u in x.users) + 1] -= x.output_bytes + 1
+    crossing = np.cumsum(delta)[: n + 1]
+    positions = [p for p in range(n + 1) if allowed[p]]
+    top = [x.module_path.split(".")[:3] for x in nodes]
+    boundary = {p for p in positions if 0 < p < n and top[p - 1] != top[p]}
+    minima = {p for p in positions if crossing[p] <= crossing[max(p - 1, 0)] and crossing[p] <= crossing[min(p + 1, n)]}
+    chosen = sorted(boundary | minima, key=lambda p: (crossing[p], p))[:limit]
+    return sorted(chosen)
+
+
 def partition(
     graph: Graph,
-    cost_model: CostModel,
+    cost_model: CostModel | Sequence[CostModel],
     *,
     num_stages: int,
     num_microbatches: int,
     schedule: str,
     memory_model: MemoryModel = MemoryModel(),
+    memory_budget: float | Sequence[float] | None = None,
+    in_flight: Sequence[int] | None = None,
+    bounds: Sequence[int] | None = None,
 ) -> Plan:
     """Cut ``graph`` into ``num_stages`` contiguous stages (in its topological order) so that
     the slowest stage — its compute plus everything it sends and receives — is as fast as
-    possible. Exact over every cut between two ops."""
+    possible, with every stage within its memory budget.
+
+    ``cost_model`` may be one per stage (heterogeneous devices); ``memory_budget`` bytes
+    per device (one number or one per stage; default: the device's memory); ``in_flight``
+    the micro-batches each stage keeps activations for (default: 1F1B's, or all for
+    GPipe). Raises ``PartitionError`` with the memory needed and the smallest feasible
+    ``num_stages`` when no partition fits. ``bounds`` (node positions ``0 = b0 < ... <
+    bK = len(graph)``) imposes the cuts instead of solving: hand splits, for comparison.
+    """
+    models = list(cost_model) if isinstance(cost_model, (list, tuple)) else [cost_model] * num_stages
+    if len(models) != num_stages:
+        raise ConfigError(f"{len(models)} device cost models for num_stages={num_stages}; give one per stage")
     nodes = graph.nodes
     num_ops = len(graph.op_nodes)
     if num_stages > num_ops:
@@ -57,15 +125,25 @@ def partition(
             f"every stage needs at least one op. Use num_stages <= {num_ops}."
         )
     m = num_microbatches
+    flights = list(in_flight) if in_flight is not None else [
+        in_flight_microbatches(schedule, k, num_stages, m) for k in range(num_stages)
+    ]
+    budgets = _budgets(memory_budget, models, num_stages)
     index = {n.name: i for i, n in enumerate(nodes)}
-    item_costs = [cost_model.forward_time(n, m) + cost_model.backward_time(n, m) for n in nodes]
-    transfers = []
-    for i, n in enumerate(nodes):
-        if not n.users:
-            continue
-        directions = 2 if any(t.is_floating for t in n.outputs) else 1  # activation, then its gradient
-        cost = directions * cost_model.transfer_time(n.output_bytes, num_messages=0)
-        transfers.append(Transfer(i, tuple(index[u] for u in n.users), cost))
+
+    if bounds is not None:
+        bounds = [int(b) for b in bounds]
+        if len(bounds) != num_stages + 1 or bounds[0] != 0 or bounds[-1] != len(nodes) or \
+                any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ConfigError(f"bounds must rise strictly from 0 to {len(nodes)} in {num_stages} steps, got {bounds}")
+        lat = [2 * cm.transfer_time(0, num_messages=m) for cm in models]
+        worst = max(sum(models[k].forward_time(n, m) + models[k].backward_time(n, m)
+                        for n in nodes[bounds[k]:bounds[k + 1]]) for k in range(num_stages))
+        plan = _describe(graph, models, bounds, worst, m, schedule, flights, memory_model, lat, True, 0.0)
+        step = max(st.predicted_time_s for st in plan.stages) * (m + num_stages - 1) / m
+        return dataclasses.replace(plan, predicted_step_time_s=step)
+
+    # --- where cuts may fall ---------------------------------------------------------------
     first_op = sum(1 for n in nodes if n.kind == INPUT)
     allowed = [first_op < p < len(nodes) - 1 for p in range(len(nodes) + 1)]
     for i, n in enumerate(nodes):
@@ -75,21 +153,169 @@ def partition(
         if n.writes_into is not None:  # a write through a view happens where its base lives
             for p in range(index[n.writes_into] + 1, i + 1):
                 allowed[p] = False
-    cost = interval_costs(item_costs, transfers)
-    # Everything a stage sends to its neighbours in one direction travels as one message per
-    # micro-batch: every stage but the first pays the latency of receiving (and sending back
-    # the gradients), every stage but the last that of sending.
-    latency = 2 * cost_model.transfer_time(0, num_messages=m)
-    cost[1:, :] += latency
-    cost[:, :-1] += latency
-    try:
-        result = solve(cost, num_stages, allowed_cuts=allowed)
-    except ValueError as exc:  # pragma: no cover - every finite graph has a partition
-        raise PartitionError(f"could not partition {graph.model_name}: {exc}") from exc
+    exact = sum(allowed) <= MAX_EXACT_POSITIONS
+    cuts = [p for p in range(len(nodes) + 1) if allowed[p]] if exact else \
+        _cut_candidates(graph, allowed, min(MAX_EXACT_POSITIONS, max(400, 8 * num_stages)))
+    if len(cuts) < num_stages - 1:
+        raise PartitionError(
+            f"{graph.model_name or 'the model'} has only {len(cuts)} places to cut (tuples of tensors and "
+            f"in-place writes through views keep their ops together), too few for num_stages={num_stages}. "
+            f"Use num_stages <= {len(cuts) + 1}."
+        )
+    # Segments: the ops between two consecutive candidate cuts, priced as one item.
+    edges = [0, *cuts, len(nodes)]
+    seg_of = np.zeros(len(nodes), dtype=np.int64)
+    for s in range(len(edges) - 1):
+        seg_of[edges[s]:edges[s + 1]] = s
+    num_seg = len(edges) - 1
 
-    bounds = result.bounds
+    # --- time: compute + communication per device kind --------------------------------------
+    transfers_by_model: dict[int, np.ndarray] = {}
+    latency = [2 * cm.transfer_time(0, num_messages=m) for cm in models]
+
+    def time_matrix(k: int) -> np.ndarray:
+        """Stage k's time matrix (a fresh copy: the caller may write infinities into it)."""
+        cm = models[k]
+        key = id(cm)
+        if key not in transfers_by_model:
+            items = np.zeros(num_seg)
+            for i, n in enumerate(nodes):
+                items[seg_of[i]] += cm.forward_time(n, m) + cm.backward_time(n, m)
+            transfers = []
+            for i, n in enumerate(nodes):
+                readers = tuple(sorted({int(seg_of[index[u]]) for u in n.users} - {int(seg_of[i])}))
+                if readers:
+                    directions = 2 if any(t.is_floating for t in n.outputs) else 1
+                    transfers.append(Transfer(int(seg_of[i]), readers,
+                                              directions * cm.transfer_time(n.output_bytes, num_messages=0)))
+            c = interval_costs(items, transfers)
+            c[1:, :] += latency[k]  # every stage but the first receives (and returns gradients)
+            c[:, :-1] += latency[k]  # every stage but the last sends
+            transfers_by_model[key] = c
+        return transfers_by_model[key].copy()
+
+    # --- memory ---------------------------------------------------------------------------
+    static, activation, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m)
+
+    def memory_matrix(k: int) -> np.ndarray:
+        return static + activation * flights[k] + recv
+
+    def stage_cost(k: int) -> np.ndarray:
+        c = time_matrix(k)
+        if budgets[k] < INF:
+            c[memory_matrix(k) > budgets[k]] = INF
+        return c
+
+    try:
+        result = solve(stage_cost, num_stages)
+    except ValueError:
+        raise _infeasible(graph, num_stages, budgets, (static, activation, recv), schedule, m, num_seg) from None
+
+    bounds = [edges[b] for b in result.bounds]
+    lower_bound = max(
+        sum(models[0].forward_time(n, m) + models[0].backward_time(n, m) for n in nodes) / num_stages,
+        max(models[0].forward_time(n, m) + models[0].backward_time(n, m) for n in nodes),
+    ) if len({id(x) for x in models}) == 1 else 0.0
+    return _describe(graph, models, bounds, result.bottleneck, m, schedule, flights, memory_model, latency,
+                     exact, lower_bound)
+
+
+def _budgets(memory_budget: float | Sequence[float] | None, models: list[CostModel], k: int) -> list[float]:
+    if memory_budget is None:
+        return [INF] * k
+    if isinstance(memory_budget, (int, float)):
+        values = [float(memory_budget)] * k
+    else:
+        values = [float(b) for b in memory_budget]
+        if len(values) != k:
+            raise ConfigError(f"memory_budget has {len(values)} entries for num_stages={k}; give one per stage")
+    if any(v <= 0 for v in values):
+        raise ConfigError(f"memory_budget must be > 0 bytes, got {values}")
+    return values
+
+
+def _memory_matrices(
+    graph: Graph, seg_of: np.ndarray, num_seg: int, memory_model: MemoryModel, m: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per stage ``[i, j)`` of segments: bytes of weights + gradients + optimizer state (each
+    parameter once, wherever it is read), of activations per micro-batch, and of the
+    receive buffers (every micro-batch's inputs, posted up front)."""
+    nodes = graph.nodes
+    n = num_seg
+    d = np.zeros((n + 2, n + 2))
+    uses: dict[str, list[int]] = {}
+    for i, x in enumerate(nodes):
+        for p in (*x.parameters, *x.buffers):
+            uses.setdefault(p, []).append(int(seg_of[i]))
+    for name, where in uses.items():
+        info = graph.parameters[name]
+        numel = info.nbytes // max(1, TensorInfo((), info.dtype).nbytes)
+        held = info.nbytes if info.is_buffer else 2 * info.nbytes + memory_model.optimizer_bytes(numel)
+        prev = -1
+        for s in sorted(set(where)):  # held by stage [i, j) iff some use falls inside it
+            d[prev + 1, s + 1] += held
+            d[prev + 1, n + 1] -= held
+            d[s + 1, s + 1] -= held
+            d[s + 1, n + 1] += held
+            prev = s
+    static = np.cumsum(np.cumsum(d, axis=0), axis=1)[: n + 1, : n + 1]
+    per_seg = np.zeros(n)
+    for i, x in enumerate(nodes):
+        if _saves_activation(x):
+            per_seg[seg_of[i]] += x.output_bytes / m
+    prefix = np.concatenate([[0.0], np.cumsum(per_seg)])
+    activation = np.maximum(prefix[None, :] - prefix[:, None], 0.0)
+    index = {x.name: i for i, x in enumerate(nodes)}
+    recv_d = np.zeros((n + 2, n + 2))
+    for i, x in enumerate(nodes):
+        readers = sorted({int(seg_of[index[u]]) for u in x.users} - {int(seg_of[i])})
+        prev = int(seg_of[i])
+        for s in readers:  # received by [i, j) iff the producer is before i and a reader inside
+            recv_d[prev + 1, s + 1] += x.output_bytes
+            recv_d[prev + 1, n + 1] -= x.output_bytes
+            recv_d[s + 1, s + 1] -= x.output_bytes
+            recv_d[s + 1, n + 1] += x.output_bytes
+            prev = s
+    recv = np.cumsum(np.cumsum(recv_d, axis=0), axis=1)[: n + 1, : n + 1]
+    return static, activation, recv
+
+
+def _infeasible(graph: Graph, num_stages: int, budgets: list[float],
+                memory: tuple[np.ndarray, np.ndarray, np.ndarray], schedule: str, m: int,
+                num_seg: int) -> PartitionError:
+    """How much memory the best partition needs, and how many stages would fit."""
+    static, activation, recv = memory
+    lower = np.tril_indices(num_seg + 1)
+
+    def need(k: int) -> float:
+        def matrix(s: int) -> np.ndarray:
+            mm = static + activation * in_flight_microbatches(schedule, s, k, m) + recv
+            mm[lower] = INF
+            return mm
+        return solve(matrix, k).bottleneck
+
+    budget = min(budgets)
+    fits = next((k for k in range(num_stages + 1, min(num_seg, 4 * num_stages + 64) + 1) if need(k) <= budget),
+                None)
+    hint = f"the smallest num_stages that fits is {fits}" if fits else \
+        "no stage count up to the number of cut points fits"
+    return PartitionError(
+        f"{graph.model_name or 'the model'} does not fit in {num_stages} stages of {budget / 2**30:.2f} GiB: the "
+        f"best partition needs {need(num_stages) / 2**30:.2f} GiB on its fullest stage (weights, gradients, "
+        f"optimizer state and in-flight activations); {hint}. Use more stages (or ranks), fewer micro-batches "
+        "in flight (schedule='1f1b'), a lighter optimizer, or a larger memory_budget."
+    )
+
+
+def _describe(
+    graph: Graph, models: list[CostModel], bounds: list[int], bottleneck: float, m: int, schedule: str,
+    flights: list[int], memory_model: MemoryModel, latency: list[float], exact: bool, lower_bound: float,
+) -> Plan:
+    nodes = graph.nodes
+    num_stages = len(bounds) - 1
+    index = {n.name: i for i, n in enumerate(nodes)}
     stage_of = [k for k in range(num_stages) for _ in range(bounds[k], bounds[k + 1])]
-    boundaries: list[list[BoundaryTensor]] = [[] for _ in range(num_stages)]
+    outgoing: list[list[BoundaryTensor]] = [[] for _ in range(num_stages)]
     incoming: list[list[BoundaryTensor]] = [[] for _ in range(num_stages)]
     for i, n in enumerate(nodes):
         later = sorted({stage_of[index[u]] for u in n.users} - {stage_of[i]})
@@ -99,25 +325,28 @@ def partition(
         b = BoundaryTensor(
             n.name, stage_of[i], tuple(later), t.shape if t else None, t.dtype if t else None, n.output_bytes
         )
-        boundaries[stage_of[i]].append(b)
+        outgoing[stage_of[i]].append(b)
         for k in later:
             incoming[k].append(b)
 
     stages = []
     for k in range(num_stages):
+        cm = models[k]
         members = nodes[bounds[k]:bounds[k + 1]]
         params = list(dict.fromkeys(p for n in members for p in n.parameters + n.buffers))
-        weight_bytes = sum(graph.parameters[p].nbytes for p in params if not graph.parameters[p].is_buffer)
-        buffer_bytes = sum(graph.parameters[p].nbytes for p in params if graph.parameters[p].is_buffer)
-        saved = sum(n.output_bytes for n in members if n.kind == OP and any(t.is_floating for t in n.outputs))
-        held = in_flight_microbatches(schedule, k, num_stages, m)
-        fwd = sum(cost_model.forward_time(n, m) for n in members)
-        bwd = sum(cost_model.backward_time(n, m) for n in members)
+        infos = [graph.parameters[p] for p in params]
+        weight_bytes = sum(p.nbytes for p in infos if not p.is_buffer)
+        numel = sum(p.nbytes // max(1, TensorInfo((), p.dtype).nbytes) for p in infos if not p.is_buffer)
+        buffer_bytes = sum(p.nbytes for p in infos if p.is_buffer)
+        saved = sum(n.output_bytes for n in members if _saves_activation(n))
+        received = sum(b.nbytes for b in incoming[k])
+        fwd = sum(cm.forward_time(n, m) for n in members)
+        bwd = sum(cm.backward_time(n, m) for n in members)
         comm = sum(
             (2 if b.dtype is not None and TensorInfo((), b.dtype).is_floating else 1)
-            * cost_model.transfer_time(b.nbytes, num_messages=0)
-            for b in (*incoming[k], *boundaries[k])
-        ) + latency * ((k > 0) + (k < num_stages - 1))
+            * cm.transfer_time(b.nbytes, num_messages=0)
+            for b in (*incoming[k], *outgoing[k])
+        ) + latency[k] * ((k > 0) + (k < num_stages - 1))
         stages.append(StagePlan(
             stage_index=k,
             node_names=tuple(n.name for n in members),
@@ -125,21 +354,24 @@ def partition(
             forward_time_s=fwd,
             backward_time_s=bwd,
             communication_time_s=comm,
-            num_ops=sum(1 for n in members if n.kind == OP),
             memory=MemoryBreakdown(
                 parameters=weight_bytes + buffer_bytes,
                 gradients=weight_bytes,
-                optimizer=int(memory_model.optimizer_state_factor * weight_bytes),
-                activations=int(saved * held / m),
+                optimizer=memory_model.optimizer_bytes(numel),
+                activations=int(saved * flights[k] / m + received),
             ),
             inputs=tuple(incoming[k]),
-            outputs=tuple(boundaries[k]),
+            outputs=tuple(outgoing[k]),
             module_paths=tuple(dict.fromkeys(n.module_path for n in members if n.module_path)),
+            num_ops=sum(1 for n in members if n.kind == OP),
+            device=cm.device.name,
         ))
-    step = result.bottleneck * (m + num_stages - 1) / m
+    step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}
+    devices = list(dict.fromkeys(cm.device.name for cm in models))
     return Plan(
         model_name=graph.model_name, num_stages=num_stages, num_microbatches=m, schedule=schedule,
-        device=cost_model.device.name, stages=tuple(stages), predicted_step_time_s=step,
-        tied_parameters=tied, graph_fingerprint=fingerprint(graph),
+        device=devices[0] if len(devices) == 1 else "+".join(devices), stages=tuple(stages),
+        predicted_step_time_s=step, tied_parameters=tied, graph_fingerprint=fingerprint(graph),
+        exact=exact, lower_bound_s=lower_bound,
     )

@@ -61,6 +61,7 @@ class StagePlan:
     outputs: tuple[BoundaryTensor, ...] = ()
     module_paths: tuple[str, ...] = ()
     num_ops: int = 0
+    device: str = ""
 
     @property
     def predicted_time_s(self) -> float:
@@ -85,6 +86,8 @@ class Plan:
     data_parallel_size: int = 1
     tied_parameters: dict[str, tuple[str, ...]] = field(default_factory=dict)
     graph_fingerprint: str = ""
+    exact: bool = True
+    lower_bound_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -139,7 +142,7 @@ class Plan:
                     backward_time_s=s["backward_time_s"], communication_time_s=s["communication_time_s"],
                     memory=MemoryBreakdown(**s["memory"]), inputs=tuple(boundary(b) for b in s["inputs"]),
                     outputs=tuple(boundary(b) for b in s["outputs"]), module_paths=tuple(s["module_paths"]),
-                    num_ops=s.get("num_ops", 0),
+                    num_ops=s.get("num_ops", 0), device=s.get("device", ""),
                 )
                 for s in data.pop("stages")
             )
@@ -178,6 +181,10 @@ class Plan:
             f"{_seconds(self.bottleneck_s)}, balance {self.balance:.2f} (1.00 = perfect), "
             f"bubble {self.bubble_fraction:.0%}"
         )
+        if not self.exact:
+            gap = self.bottleneck_s / self.lower_bound_s - 1 if self.lower_bound_s > 0 else float("nan")
+            lines.append(f"large graph: cut at its cheapest candidate points; bottleneck within {gap:.1%} "
+                         "of the lower bound (total / stages, or the costliest op)")
         for name, aliases in self.tied_parameters.items():
             holders = [s.stage_index for s in self.stages if name in s.parameter_names]
             if len(holders) > 1:

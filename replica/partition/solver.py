@@ -90,7 +90,7 @@ def interval_costs(item_costs: Sequence[float], transfers: Sequence[Transfer] = 
 
 
 def solve(
-    cost: np.ndarray,
+    cost: "np.ndarray | Callable[[int], np.ndarray]",
     num_stages: int,
     *,
     allowed_cuts: Sequence[bool] | np.ndarray | None = None,
@@ -98,23 +98,40 @@ def solve(
     """Cut items ``0..n-1`` into ``num_stages`` non-empty contiguous stages minimising
     the most expensive stage.
 
-    ``cost`` is ``(n+1, n+1)`` (one matrix for every stage) or ``(K, n+1, n+1)``
-    (stage k priced by ``cost[k]``: heterogeneous devices, per-stage memory). An
-    infeasible stage is ``inf``. ``allowed_cuts[p]`` says whether a cut may fall
-    before item p (positions 0 and n are always the ends). Raises ``ValueError``
-    when no finite partition exists.
+    ``cost`` is ``(n+1, n+1)`` (one matrix for every stage), ``(K, n+1, n+1)`` (stage k
+    priced by ``cost[k]``: heterogeneous devices, per-stage memory), or a function
+    ``k -> (n+1, n+1)`` computing stage k's matrix on demand (O(n²) memory for any K).
+    An infeasible stage is ``inf``. ``allowed_cuts[p]`` says whether a cut may fall
+    before item p (positions 0 and n are always the ends). Raises ``ValueError`` when
+    no finite partition exists.
     """
-    cost = np.asarray(cost, dtype=float)
-    per_stage = cost.ndim == 3
-    n = cost.shape[-1] - 1
-    if cost.shape[-2:] != (n + 1, n + 1) or (per_stage and cost.shape[0] != num_stages):
-        raise ValueError(f"cost has shape {cost.shape}; expected ({num_stages}, n+1, n+1) or (n+1, n+1)")
+    if callable(cost):
+        first = np.asarray(cost(0), dtype=float)
+        n = first.shape[-1] - 1
+        if first.shape != (n + 1, n + 1):
+            raise ValueError(f"cost(0) has shape {first.shape}; expected (n+1, n+1)")
+        keep = num_stages * first.nbytes <= 512 * 2**20  # both phases read each matrix: keep them if small
+        cache: dict[int, np.ndarray] = {0: first}
+
+        def stage_cost(k: int) -> np.ndarray:
+            if k in cache:
+                return cache[k]
+            c = np.asarray(cost(k), dtype=float)  # type: ignore[operator]
+            if keep:
+                cache[k] = c
+            return c
+    else:
+        cost = np.asarray(cost, dtype=float)
+        per_stage = cost.ndim == 3
+        n = cost.shape[-1] - 1
+        if cost.shape[-2:] != (n + 1, n + 1) or (per_stage and cost.shape[0] != num_stages):
+            raise ValueError(f"cost has shape {cost.shape}; expected ({num_stages}, n+1, n+1) or (n+1, n+1)")
+        stage_cost = (lambda k: cost[k]) if per_stage else (lambda k: cost)  # noqa: E731
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot cut {n} items into {num_stages} non-empty stages")
     mask = np.ones(n + 1, dtype=bool) if allowed_cuts is None else np.asarray(allowed_cuts, dtype=bool).copy()
     mask[0] = mask[n] = True
 
-    stage_cost = (lambda k: cost[k]) if per_stage else (lambda k: cost)
     bottleneck = _min_max(stage_cost, num_stages, n, mask)
     if not np.isfinite(bottleneck):
         raise ValueError(f"no partition of {n} items into {num_stages} stages has finite cost")

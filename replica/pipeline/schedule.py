@@ -17,7 +17,7 @@ from replica.errors import ScheduleError
 __all__ = [
     "Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zero_bubble_h1",
     "zero_bubble_v", "list_schedule", "SCHEDULES", "INTERLEAVED", "V_SHAPED", "make_schedule",
-    "stages_per_rank", "splits_backward",
+    "stages_per_rank", "splits_backward", "max_in_flight",
     "validate", "placement", "execution_order", "format_grid",
 ]
 
@@ -341,6 +341,22 @@ def validate(schedule: Sequence[Sequence[Action]], num_stages: int, num_microbat
                     raise ScheduleError(f"schedule never runs {Action(s, kind, i)}")
     placement(schedule)
     _ticks(schedule, num_stages)
+
+
+def max_in_flight(schedule: Sequence[Sequence[Action]], num_stages: int) -> list[int]:
+    """Per stage, the most micro-batches whose activations it holds at once: forwarded and
+    not yet through their last backward action (B, or W when the schedule splits it)."""
+    last = WEIGHT if splits_backward(schedule) else BACKWARD
+    peak = [0] * num_stages
+    for actions in schedule:
+        live = [0] * num_stages
+        for a in actions:
+            if a.kind == FORWARD:
+                live[a.stage_index] += 1
+                peak[a.stage_index] = max(peak[a.stage_index], live[a.stage_index])
+            elif a.kind == last:
+                live[a.stage_index] -= 1
+    return peak
 
 
 def execution_order(schedule: Sequence[Sequence[Action]], num_stages: int) -> list[Action]:

@@ -100,11 +100,11 @@ class ShapeOracle:
             ) from exc
         out: dict[str, Any] = {}
         for name, value in found.items():
-            if isinstance(value, torch.Tensor):
+            if name == "output":
+                out[name] = value  # the model's output structure, as meta tensors
+            elif isinstance(value, torch.Tensor):
                 out[name] = TensorMeta(tuple(value.shape), value.dtype,
                                        value.requires_grad and value.dtype.is_floating_point)
-            elif name == "output":
-                out[name] = value  # the model's output structure, as meta tensors
             else:
                 out[name] = _localize(value, device)
         return out

@@ -1,0 +1,318 @@
+"""Playing per-rank action lists against per-stage costs: the timeline a schedule would produce.
+
+Each rank runs its actions strictly in list order; an action starts when its rank is
+free and its dependencies have finished, plus the transfer time where a dependency
+lives on another rank::
+
+    F(s, i)  after  F(s-1, i) + send(s-1)          (send only across ranks)
+    B(s, i)  after  F(s, i),  B(s+1, i) + send(s)  (the gradient of stage s's outputs comes back)
+    W(s, i)  after  B(s, i)
+
+Transfers overlap compute and never contend for a link. Every action is looked at a
+bounded number of times (once per missing dependency, at most two, plus once to run),
+so :func:`simulate` is O(total actions). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from replica.errors import ConfigError, ScheduleError
+from replica.pipeline.schedule import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    Action,
+    make_schedule,
+    max_in_flight,
+    placement,
+    splits_backward,
+)
+
+if TYPE_CHECKING:
+    from replica.partition.cost import DeviceSpec
+    from replica.partition.plan import Plan
+
+__all__ = ["StageCosts", "Event", "Timeline", "simulate", "stage_costs_from_plan"]
+
+_KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight"}
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Seconds and bytes for ONE micro-batch on one stage.
+
+    ``backward_s`` is the input-gradient part when the schedule splits weight gradients
+    out into W actions (which take ``weight_s``), else the whole backward. ``send_s``
+    moves this stage's outputs to the next stage (and, in the backward, their gradient
+    back); it only counts where the next stage lives on another rank.
+    ``activation_bytes`` stay alive from the start of F until the end of B (of W when
+    the schedule splits it out); ``static_bytes`` are parameters, gradients and optimizer.
+    """
+
+    forward_s: float
+    backward_s: float
+    weight_s: float = 0.0
+    send_s: float = 0.0
+    activation_bytes: int = 0
+    static_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "weight_s", "send_s", "activation_bytes", "static_bytes"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"StageCosts.{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action run on one rank from ``start_s`` to ``end_s``."""
+
+    rank: int
+    action: Action
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What a step looks like: every action's interval, and the figures drawn from them.
+
+    ``busy_s[r]`` is rank r's compute time; ``bubble_fraction`` is
+    ``1 - sum(busy_s) / (num_ranks * step_time_s)``; ``peak_memory_bytes[r]`` is the
+    static bytes of rank r's stages plus the most activations it holds at once.
+    """
+
+    events: tuple[Event, ...]
+    num_ranks: int
+    step_time_s: float
+    busy_s: tuple[float, ...]
+    bubble_fraction: float
+    peak_memory_bytes: tuple[int, ...]
+
+    @classmethod
+    def from_events(
+        cls,
+        events: Iterable[Event],
+        *,
+        num_ranks: int | None = None,
+        costs: Sequence[StageCosts] = (),
+        step_time_s: float | None = None,
+    ) -> "Timeline":
+        """The figures of a timeline from its events (simulated or measured). Memory is
+        counted only where ``costs`` give the bytes; ``step_time_s`` defaults to the last end."""
+        ordered = tuple(sorted(events, key=lambda e: (e.start_s, e.rank, e.end_s)))
+        ranks = num_ranks if num_ranks is not None else max((e.rank + 1 for e in ordered), default=0)
+        if any(not 0 <= e.rank < ranks for e in ordered):
+            raise ConfigError(f"events name ranks outside 0..{ranks - 1}; pass num_ranks")
+        if any(e.end_s < e.start_s for e in ordered):
+            bad = next(e for e in ordered if e.end_s < e.start_s)
+            raise ConfigError(
+                f"event {bad.action} on rank {bad.rank} ends ({bad.end_s}) before it starts ({bad.start_s})"
+            )
+        step = step_time_s if step_time_s is not None else max((e.end_s for e in ordered), default=0.0)
+        busy = [0.0] * ranks
+        for e in ordered:
+            busy[e.rank] += e.end_s - e.start_s
+        bubble = 1.0 - sum(busy) / (ranks * step) if ranks and step > 0 else 0.0
+        return cls(ordered, ranks, step, tuple(busy), bubble, _peak_memory(ordered, ranks, costs))
+
+    def to_chrome_trace(self, *, name: str = "replica") -> dict[str, Any]:
+        """``{"traceEvents": [...]}`` for chrome://tracing or Perfetto: one complete event
+        (``"ph": "X"``, microseconds) per action, ``pid`` = rank, ``tid`` = stage."""
+        trace: list[dict[str, Any]] = []
+        stages: dict[int, set[int]] = {r: set() for r in range(self.num_ranks)}
+        for e in self.events:
+            stages[e.rank].add(e.action.stage_index)
+        for r in range(self.num_ranks):
+            trace.append(_metadata("process_name", r, 0, f"rank {r}"))
+            trace += [_metadata("thread_name", r, s, f"stage {s}") for s in sorted(stages[r])]
+        for e in self.events:
+            s, kind, i = e.action
+            trace.append({
+                "name": str(e.action), "cat": _KIND_NAMES.get(kind, kind), "ph": "X",
+                "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6, "pid": e.rank, "tid": s,
+                "args": {"stage_index": s, "microbatch_index": i, "kind": kind},
+            })
+        return {
+            "traceEvents": trace,
+            "displayTimeUnit": "ms",
+            "otherData": {"name": name, "step_time_s": self.step_time_s, "bubble_fraction": self.bubble_fraction},
+        }
+
+
+def _metadata(kind: str, pid: int, tid: int, label: str) -> dict[str, Any]:
+    return {"name": kind, "ph": "M", "ts": 0, "dur": 0, "pid": pid, "tid": tid, "args": {"name": label}}
+
+
+def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageCosts]) -> tuple[int, ...]:
+    """Per rank: static bytes of its stages plus the peak of live activations. A micro-batch's
+    activations on stage s count from F(s, i) until B(s, i) ends, or W(s, i) where there is one."""
+    if not costs:
+        return (0,) * num_ranks
+    split = {(e.action.stage_index, e.action.microbatch_index) for e in events if e.action.kind == WEIGHT}
+    static = [0] * num_ranks
+    seen: set[int] = set()
+    changes: list[list[tuple[float, int, int]]] = [[] for _ in range(num_ranks)]  # (time, order, bytes)
+    for e in events:
+        s, kind, i = e.action
+        if s >= len(costs):
+            raise ConfigError(f"event {e.action} names stage {s}, but costs cover {len(costs)} stages")
+        if s not in seen:
+            seen.add(s)
+            static[e.rank] += costs[s].static_bytes
+        nbytes = costs[s].activation_bytes
+        if kind == FORWARD:
+            changes[e.rank].append((e.start_s, 1, nbytes))
+        elif kind == (WEIGHT if (s, i) in split else BACKWARD):
+            changes[e.rank].append((e.end_s, 0, -nbytes))  # at a tie, free before allocating
+    peaks = []
+    for r in range(num_ranks):
+        live = peak = 0
+        for _, _, delta in sorted(changes[r]):
+            live += delta
+            peak = max(peak, live)
+        peaks.append(static[r] + peak)
+    return tuple(peaks)
+
+
+def _dependencies(a: Action, where: dict[int, int], costs: Sequence[StageCosts]) -> list[tuple[Action, float]]:
+    """What ``a`` waits for, each with the transfer delay after it ends."""
+    s, kind, i = a
+    here = where[s]
+    if kind == FORWARD:
+        if s == 0:
+            return []
+        return [(Action(s - 1, FORWARD, i), costs[s - 1].send_s if where.get(s - 1, here) != here else 0.0)]
+    if kind == BACKWARD:
+        deps = [(Action(s, FORWARD, i), 0.0)]
+        if s + 1 in where:
+            deps.append((Action(s + 1, BACKWARD, i), costs[s].send_s if where[s + 1] != here else 0.0))
+        return deps
+    return [(Action(s, BACKWARD, i), 0.0)]
+
+
+def _duration(a: Action, costs: Sequence[StageCosts]) -> float:
+    c = costs[a.stage_index]
+    return c.forward_s if a.kind == FORWARD else c.backward_s if a.kind == BACKWARD else c.weight_s
+
+
+def simulate(
+    schedule: Sequence[Sequence[Action]],
+    costs: Sequence[StageCosts],
+    *,
+    allreduce_s: Sequence[float] = (),
+) -> Timeline:
+    """Play ``schedule`` (``schedule[rank]`` in order) with ``costs[stage_index]`` per
+    micro-batch; ``allreduce_s[rank]`` (data-parallel gradient reduction) is added after
+    each rank's last action. Raises ``ScheduleError`` if the schedule deadlocks."""
+    where = placement(schedule)
+    num_ranks = len(schedule)
+    num_stages = max(where, default=-1) + 1
+    if len(costs) < num_stages:
+        raise ConfigError(
+            f"the schedule has {num_stages} stages but costs cover {len(costs)}; pass one StageCosts per stage"
+        )
+    if allreduce_s and len(allreduce_s) != num_ranks:
+        raise ConfigError(f"allreduce_s has {len(allreduce_s)} entries for {num_ranks} ranks; pass one per rank")
+    end: dict[Action, float] = {}
+    free = [0.0] * num_ranks
+    cursor = [0] * num_ranks
+    waiting: dict[Action, list[int]] = {}
+    blocked_on: dict[int, Action] = {}
+    ready = deque(range(num_ranks))
+    events: list[Event] = []
+    while ready:
+        r = ready.popleft()
+        actions = schedule[r]
+        while cursor[r] < len(actions):
+            a = actions[cursor[r]]
+            start = free[r]
+            missing = None
+            for dep, delay in _dependencies(a, where, costs):
+                if dep not in end:
+                    missing = dep
+                    break
+                start = max(start, end[dep] + delay)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                blocked_on[r] = missing
+                break
+            finish = start + _duration(a, costs)
+            end[a] = finish
+            free[r] = finish
+            cursor[r] += 1
+            events.append(Event(r, a, start, finish))
+            for other in waiting.pop(a, ()):
+                del blocked_on[other]
+                ready.append(other)
+    if blocked_on:
+        stuck = ", ".join(f"rank {r} at {schedule[r][cursor[r]]} waits for {d}"
+                          for r, d in sorted(blocked_on.items()))
+        raise ScheduleError(f"schedule deadlocks: {stuck}; check each rank's order against the F/B/W dependencies")
+    ends = [free[r] + (allreduce_s[r] if allreduce_s else 0.0) for r in range(num_ranks)]
+    return Timeline.from_events(events, num_ranks=num_ranks, costs=costs, step_time_s=max(ends, default=0.0))
+
+
+def stage_costs_from_plan(
+    plan: "Plan", schedule: Sequence[Sequence[Action]], *, device: "DeviceSpec | None" = None
+) -> list[StageCosts]:
+    """Per-micro-batch costs of ``plan``'s stages under ``schedule``: the plan's whole-step
+    times over ``num_microbatches``; the backward split evenly into B and W where the
+    schedule has W actions; each stage's outputs (one micro-batch's share) sent over
+    ``device``'s link (default: the stage's, else the plan's device, by preset name) where
+    the next stage is on another rank; activations per micro-batch from the plan's memory
+    over the micro-batches the plan assumed in flight on that stage."""
+    where = placement(schedule)
+    if sorted(where) != list(range(plan.num_stages)):
+        raise ConfigError(
+            f"the schedule runs stages {sorted(where)} but the plan has {plan.num_stages}; make the schedule "
+            f"with make_schedule(name, {plan.num_stages}, {plan.num_microbatches})"
+        )
+    m = plan.num_microbatches
+    split = splits_backward(schedule)
+    held = _plan_in_flight(plan, num_ranks=len(schedule))
+    costs = []
+    for stage in plan.stages:
+        k = stage.stage_index
+        backward = stage.backward_time_s / m
+        send = 0.0
+        if k + 1 in where and where[k + 1] != where[k]:
+            link = device or _device(getattr(stage, "device", "") or plan.device)
+            send = sum(b.nbytes for b in stage.outputs) / m / link.link_bandwidth + link.link_latency_s
+        memory = stage.memory
+        costs.append(StageCosts(
+            forward_s=stage.forward_time_s / m,
+            backward_s=backward / 2 if split else backward,
+            weight_s=backward / 2 if split else 0.0,
+            send_s=send,
+            activation_bytes=round(memory.activations / held[k]) if held[k] else 0,
+            static_bytes=memory.parameters + memory.gradients + memory.optimizer,
+        ))
+    return costs
+
+
+def _plan_in_flight(plan: "Plan", *, num_ranks: int) -> list[int]:
+    """Per stage, the micro-batches whose activations the plan priced: those its own schedule
+    holds at once (on ``num_ranks`` ranks where that schedule allows it)."""
+    from replica.partition.partitioner import in_flight_microbatches  # imports torch; only here
+
+    try:
+        own = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks)
+    except ScheduleError:
+        return [in_flight_microbatches(plan.schedule, k, plan.num_stages, plan.num_microbatches)
+                for k in range(plan.num_stages)]
+    return max_in_flight(own, plan.num_stages)
+
+
+def _device(name: str) -> "DeviceSpec":
+    from replica.partition.cost import device_spec  # imports torch; only here
+
+    try:
+        return device_spec(name)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"the plan was made for device {name!r}, which is not a preset; pass "
+            f"stage_costs_from_plan(plan, schedule, device=<the DeviceSpec it was planned with>)"
+        ) from exc

@@ -1,0 +1,196 @@
+"""Batches for the trainer: a seeded order per epoch, tensors, datasets or loaders, small last batches merged.
+
+Every rank builds the same batches from the same data: the order of epoch ``e`` is
+``randperm(n)`` from a generator seeded with ``(seed, e)`` alone, so a resumed run (on
+any number of ranks) sees exactly the batches an uninterrupted one would. A last batch
+too small for the pipeline (fewer samples than micro-batches × replicas) is MERGED
+into the batch before it: no sample is dropped and no step crashes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+
+from replica.errors import ConfigError
+
+__all__ = ["Batch", "DataSource", "make_source", "epoch_order", "shard", "pad"]
+
+Batch = tuple[tuple[torch.Tensor, ...], Any]  # (inputs, target)
+
+
+def epoch_order(num_samples: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
+    """Sample indices of one epoch: a permutation drawn from ``(seed, epoch)`` only, or ``arange``."""
+    if not shuffle:
+        return torch.arange(num_samples)
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)
+    return torch.randperm(num_samples, generator=generator)
+
+
+def _chunks(order: torch.Tensor, batch_size: int, min_size: int) -> list[torch.Tensor]:
+    """Batches of ``batch_size`` indices; a last one under ``min_size`` joins the one before."""
+    chunks = list(torch.split(order, batch_size))
+    if len(chunks) > 1 and len(chunks[-1]) < min_size:
+        chunks[-2] = torch.cat([chunks[-2], chunks.pop()])
+    return chunks
+
+
+def _size(batch: Batch) -> int:
+    return int(batch[0][0].shape[0])
+
+
+def _as_inputs(x: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+class DataSource:
+    """What ``train_dataset`` / ``evaluate`` / ``predict`` read; ``batches(...)`` yields ``(inputs, target)``."""
+
+    num_samples: int | None
+
+    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, min_size: int,
+                start: int = 0) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def num_batches(self, batch_size: int, min_size: int) -> int | None:
+        if self.num_samples is None:
+            return None
+        return len(_chunks(torch.arange(self.num_samples), batch_size, min_size))
+
+
+class TensorSource(DataSource):
+    """Inputs (a tensor or a tuple of them) and targets indexed along dim 0."""
+
+    def __init__(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> None:
+        sizes = {int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0}
+        if len(sizes) != 1 or any(not isinstance(t, torch.Tensor) or t.dim() == 0 for t in inputs):
+            raise ConfigError(
+                f"x must be a tensor (or a tuple of tensors) with the samples along dim 0; got "
+                f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in inputs]}"
+            )
+        self.num_samples = sizes.pop()
+        if target is not None:
+            if not isinstance(target, torch.Tensor) or target.dim() == 0:
+                raise ConfigError(f"y must be a tensor with one target per sample along dim 0, got {type(target).__name__}")
+            if target.shape[0] != self.num_samples:
+                raise ConfigError(
+                    f"x has {self.num_samples} samples but y has {target.shape[0]}; they must match along dim 0"
+                )
+        if self.num_samples == 0:
+            raise ConfigError("x has no samples (dim 0 is 0)")
+        self.inputs, self.target = inputs, target
+
+    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, min_size: int,
+                start: int = 0) -> Iterator[Batch]:
+        order = epoch_order(self.num_samples, epoch, seed, shuffle)
+        for idx in _chunks(order, batch_size, min_size)[start:]:
+            yield tuple(t[idx] for t in self.inputs), None if self.target is None else self.target[idx]
+
+
+class DatasetSource(DataSource):
+    """A map-style ``Dataset`` whose items are ``(x, y)``; batches collated with ``default_collate``."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        try:
+            self.num_samples = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise ConfigError(f"{type(dataset).__name__} has no len(); pass a map-style Dataset or a DataLoader") from None
+        if self.num_samples == 0:
+            raise ConfigError(f"the dataset {type(dataset).__name__} is empty")
+        self.dataset = dataset
+
+    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, min_size: int,
+                start: int = 0) -> Iterator[Batch]:
+        order = epoch_order(self.num_samples, epoch, seed, shuffle)
+        for idx in _chunks(order, batch_size, min_size)[start:]:
+            yield _split_item(default_collate([self.dataset[int(i)] for i in idx]))
+
+
+def _split_item(batch: Any) -> Batch:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return _as_inputs(batch[0]), batch[1]
+    if isinstance(batch, torch.Tensor):
+        return (batch,), None
+    raise ConfigError(
+        f"each dataset item / loader batch must be (x, y) (or x alone for predict), got {type(batch).__name__}"
+        f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}"
+    )
+
+
+class LoaderSource(DataSource):
+    """A ``DataLoader`` (or any iterable of ``(x, y)`` batches): its own order and batch size."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        dataset = getattr(loader, "dataset", None)
+        try:
+            self.num_samples = None if isinstance(dataset, IterableDataset) or dataset is None else len(dataset)
+        except TypeError:
+            self.num_samples = None
+
+    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, min_size: int,
+                start: int = 0) -> Iterator[Batch]:
+        held: Batch | None = None
+        index = 0
+        for raw in self.loader:
+            batch = _split_item(raw)
+            if held is not None and min(_size(held), _size(batch)) < min_size:
+                held = _concat(held, batch)  # a batch too small for the pipeline joins its neighbour
+                continue
+            if held is not None:
+                if index >= start:
+                    yield held
+                index += 1
+            held = batch
+        if held is not None and index >= start:
+            yield held
+
+    def num_batches(self, batch_size: int, min_size: int) -> int | None:
+        try:
+            return len(self.loader)
+        except TypeError:
+            return None
+
+
+def _concat(a: Batch, b: Batch) -> Batch:
+    inputs = tuple(torch.cat([u, v]) for u, v in zip(a[0], b[0]))
+    target = None if a[1] is None else torch.cat([a[1], b[1]])
+    return inputs, target
+
+
+def make_source(x: Any, y: Any, *, need_target: bool) -> DataSource:
+    """The right :class:`DataSource` for tensors, a ``Dataset`` or a ``DataLoader``."""
+    if isinstance(x, (Dataset, DataLoader)) or (not isinstance(x, (torch.Tensor, tuple, list))
+                                                 and hasattr(x, "__iter__")):
+        if y is not None:
+            raise ConfigError(
+                f"x is a {type(x).__name__}, which yields (x, y) pairs itself; pass y=None"
+            )
+        if isinstance(x, IterableDataset):
+            return LoaderSource(DataLoader(x, batch_size=None))
+        if isinstance(x, Dataset):
+            return DatasetSource(x)
+        return LoaderSource(x)
+    if need_target and y is None:
+        raise ConfigError("y is None: pass the targets (one per sample of x), or a Dataset / DataLoader of (x, y) as x")
+    return TensorSource(_as_inputs(x), y)
+
+
+def shard(batch: Batch, num_shards: int, index: int) -> Batch:
+    """This data-parallel replica's slice of a global batch (sizes differ by at most one)."""
+    if num_shards == 1:
+        return batch
+    inputs = tuple(torch.tensor_split(t, num_shards)[index] for t in batch[0])
+    target = None if batch[1] is None else torch.tensor_split(batch[1], num_shards)[index]
+    return inputs, target
+
+
+def pad(inputs: Sequence[torch.Tensor], min_size: int) -> tuple[tuple[torch.Tensor, ...], int]:
+    """Inputs grown to ``min_size`` samples by repeating the last (for inference only), and the real count."""
+    n = int(inputs[0].shape[0])
+    if n >= min_size:
+        return tuple(inputs), n
+    grown = tuple(torch.cat([t, t[-1:].expand(min_size - n, *t.shape[1:])]) for t in inputs)
+    return grown, n

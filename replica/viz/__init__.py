@@ -1,0 +1,1 @@
+"""Pictures of plans and schedules: chrome traces of pipeline timelines."""

@@ -1,0 +1,347 @@
+"""Transparency across processes: a pipeline over gloo ranks leaves the plain model's loss,
+outputs and gradients, and a dead, silent or mismatched rank fails fast with a clear error.
+
+Each test spawns its ranks once with ``replica.launch.run_local`` and runs several checks in
+that one job: starting a process costs seconds on a loaded machine, a train step milliseconds.
+Jobs compare tensors inside the ranks and send the parent plain ``pickle`` bytes, so a result
+never depends on a rank that has already exited (see ``_portable``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import replica
+from replica.launch import run_local
+from tests import models
+from tests.conftest import COMPUTE_BOUND
+
+pytestmark = pytest.mark.distributed
+
+RUN_TIMEOUT_S = 45  # run_local: gloo set-up and every collective outside the pipeline
+STEP_TIMEOUT_S = 30  # auto_parallel: every wait on another rank
+TIED = "transformer.wte.weight"
+
+CASES: dict[str, Callable[[int], models.ModelCase]] = {
+    "tiny_gpt": lambda batch: models.tiny_gpt(batch, size_ops=True),
+    "unet": models.unet,
+    "two_input_branchy": models.two_input_branchy,
+}
+
+
+# --------------------------------------------------------------------------- in the ranks
+
+
+def _portable(value: Any) -> bytes:
+    """Plain pickle bytes: tensors by value, not shared through the (soon dead) rank's memory."""
+    return pickle.dumps(value)
+
+
+def _reference(model: torch.nn.Module, inputs: tuple, target: torch.Tensor, loss_fn) -> tuple:
+    """A copy of the plain model after one backward of the whole batch, and its loss."""
+    ref = copy.deepcopy(model)
+    loss = loss_fn(ref(*inputs), target)
+    loss.backward()
+    return ref, loss.detach()
+
+
+def _assert_same_grads(pm: replica.PipelineModel, ref: torch.nn.Module) -> list[str]:
+    """Every parameter this rank holds has the plain model's gradient; returns their names."""
+    want = dict(ref.named_parameters())
+    names = []
+    for name, p in pm.named_parameters():
+        assert name in want, f"{name} is not a parameter name of the plain model"
+        assert p.grad is not None, f"{name} has no gradient"
+        torch.testing.assert_close(p.grad, want[name].grad, msg=lambda m: f"{name}: {m}")
+        names.append(name)
+    return names
+
+
+def _tied_grad(pm: replica.PipelineModel) -> torch.Tensor | None:
+    p = dict(pm.named_parameters()).get(TIED)
+    return None if p is None else p.grad.detach().clone()
+
+
+def _forward_error(pm: replica.PipelineModel, ref: torch.nn.Module, inputs: tuple) -> str | None:
+    """How ``pm(*inputs)`` differs from the plain model's output on this rank, or None."""
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(pm(*inputs), ref(*inputs))
+    except Exception as exc:
+        return f"rank {torch.distributed.get_rank()}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: int,
+                     num_microbatches: int, schedules: tuple[str, ...]) -> bytes:
+    """One step per schedule, each on a fresh copy of the model: loss and gradients must be
+    the plain model's on every rank; the pipelined forward's outcome is reported."""
+    reports = []
+    for schedule in schedules:
+        torch.manual_seed(0)
+        model, inputs, target, loss_fn = CASES[case](batch)
+        ref, ref_loss = _reference(model, inputs, target, loss_fn)  # before auto_parallel frees weights
+        pm = replica.auto_parallel(model, inputs, num_stages=num_stages, num_microbatches=num_microbatches,
+                                   schedule=schedule, loss_fn=loss_fn, device=COMPUTE_BOUND,
+                                   timeout_s=STEP_TIMEOUT_S)
+        assert pm.plan.num_stages == num_stages and pm.plan.num_microbatches == num_microbatches
+        loss = pm.train_step(inputs, target)
+        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{schedule} loss: {m}")
+        names = _assert_same_grads(pm, ref)
+        reports.append({
+            "schedule": schedule,
+            "loss": loss.item(),
+            "names": names,
+            "stages": sorted(s.stage_index for s in pm.stages),
+            "tied_grad": _tied_grad(pm),
+            "state_dict": {k: v.detach().clone() for k, v in pm.state_dict().items()},
+            "forward_error": _forward_error(pm, ref, inputs),  # last: it may fail on one rank only
+        })
+    return _portable(reports)
+
+
+def data_parallel_job(rank: int, world: int, num_stages: int, num_microbatches: int) -> bytes:
+    """Each replica trains on its own half of a batch of 16; gradients are the whole batch's."""
+    torch.manual_seed(0)
+    model, inputs, target, loss_fn = models.tiny_gpt(16, size_ops=True)
+    ref, ref_loss = _reference(model, inputs, target, loss_fn)
+    example = tuple(x[:8] for x in inputs)
+    pm = replica.auto_parallel(model, example, num_stages=num_stages, num_microbatches=num_microbatches,
+                               loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S)
+    d = pm.data_parallel_rank
+    mine = slice(8 * d, 8 * d + 8)
+    my_inputs = tuple(x[mine] for x in inputs)
+    loss = pm.train_step(my_inputs, target[mine])
+    torch.testing.assert_close(loss, ref_loss)
+    names = _assert_same_grads(pm, ref)
+    return _portable({
+        "pipeline_rank": pm.pipeline_rank,
+        "data_parallel_rank": pm.data_parallel_rank,
+        "data_parallel_size": pm.data_parallel_size,
+        "loss": loss.item(),
+        "names": names,
+        "tied_grad": _tied_grad(pm),
+        "forward_error": _forward_error(pm, ref, my_inputs),
+    })
+
+
+def dead_rank_job(rank: int, world: int, timeout_s: float) -> dict[str, Any] | None:
+    """Rank 1 dies between two steps; rank 0 reports how its second step failed."""
+    torch.manual_seed(0)
+    model, inputs, target, loss_fn = models.tiny_gpt(8, size_ops=True)
+    pm = replica.auto_parallel(model, inputs, num_stages=2, num_microbatches=2, loss_fn=loss_fn,
+                               device=COMPUTE_BOUND, timeout_s=timeout_s)
+    pm.train_step(inputs, target)
+    if rank == 1:
+        os._exit(1)  # no report, no goodbye to the process group
+    return _failed_step(pm, inputs, target)
+
+
+def hung_rank_job(rank: int, world: int, timeout_s: float) -> dict[str, Any] | None:
+    """Rank 1 sleeps through the step (then leaves cleanly); rank 0 reports how it failed."""
+    torch.manual_seed(0)
+    model, inputs, target, loss_fn = models.tiny_gpt(8, size_ops=True)
+    pm = replica.auto_parallel(model, inputs, num_stages=2, num_microbatches=2, loss_fn=loss_fn,
+                               device=COMPUTE_BOUND, timeout_s=timeout_s)
+    if rank == 1:
+        time.sleep(timeout_s + 3)
+        return None
+    return _failed_step(pm, inputs, target)
+
+
+def _failed_step(pm: replica.PipelineModel, inputs: tuple, target: torch.Tensor) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        pm.train_step(inputs, target)
+    except Exception as exc:  # the type is part of the report: it must be PipelineError
+        return {"type": type(exc).__name__, "is_pipeline_error": isinstance(exc, replica.PipelineError),
+                "message": str(exc), "elapsed_s": time.monotonic() - start}
+    return {"type": None, "message": "train_step succeeded", "elapsed_s": time.monotonic() - start}
+
+
+def config_error_job(rank: int, world: int, num_layers_per_rank: tuple[int, ...], num_stages: int) -> dict:
+    """``auto_parallel`` on every rank, each with its own model depth; the error each rank sees."""
+    # Every rank has finished joining before any can fail and leave: gloo's set-up is not a
+    # barrier, and a rank leaving early breaks a peer still connecting.
+    torch.distributed.barrier()
+    torch.manual_seed(0)
+    model, inputs, _, loss_fn = models.tiny_gpt(8, num_layers=num_layers_per_rank[rank], size_ops=True)
+    try:
+        replica.auto_parallel(model, inputs, num_stages=num_stages, loss_fn=loss_fn, device=COMPUTE_BOUND,
+                              timeout_s=STEP_TIMEOUT_S)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "is_config_error": isinstance(exc, replica.ConfigError),
+                "message": str(exc)}
+    return {"type": None, "message": "auto_parallel succeeded"}
+
+
+# --------------------------------------------------------------------------- in the parent
+
+
+def _run(fn: Callable[..., Any], world: int, *args: Any, **kwargs: Any) -> list[Any]:
+    results = run_local(fn, world, *args, timeout_s=RUN_TIMEOUT_S, **kwargs)
+    return [pickle.loads(r) if isinstance(r, bytes) else r for r in results]
+
+
+def _plain_names(case: str) -> set[str]:
+    return {name for name, _ in CASES[case](2).model.named_parameters()}
+
+
+def _assert_pipeline_cut(case: str, reports_by_rank: list[dict]) -> None:
+    """Every rank holds part of the model, together all of it; the loss is one number everywhere."""
+    held = [set(r["names"]) for r in reports_by_rank]
+    everything = _plain_names(case)
+    assert set().union(*held) == everything
+    assert all(h and h != everything for h in held), [sorted(h) for h in held]
+    assert len({r["loss"] for r in reports_by_rank}) == 1, [r["loss"] for r in reports_by_rank]
+
+
+# One spawned job per configuration, shared by the tests that read it.
+
+
+@pytest.fixture(scope="module")
+def gpt() -> list[list[dict]]:
+    """Tiny GPT (tied embedding and head), 2 stages on 2 ranks, gpipe then 1f1b."""
+    return _run(transparency_job, 2, "tiny_gpt", 8, 2, 4, ("gpipe", "1f1b"))
+
+
+@pytest.fixture(scope="module")
+def unet() -> list[list[dict]]:
+    """U-Net, skips across the whole net, 3 stages on 3 ranks, gpipe then 1f1b."""
+    return _run(transparency_job, 3, "unet", 8, 3, 4, ("gpipe", "1f1b"))
+
+
+@pytest.fixture(scope="module")
+def branchy() -> list[list[dict]]:
+    """Two inputs, a layer used twice far apart; a batch of 7 in 3 uneven micro-batches."""
+    return _run(transparency_job, 2, "two_input_branchy", 7, 2, 3, ("gpipe", "1f1b"))
+
+
+@pytest.fixture(scope="module")
+def interleaved() -> list[list[dict]]:
+    """Tiny GPT, 4 stages on 2 ranks (two each), interleaved 1F1B."""
+    return _run(transparency_job, 2, "tiny_gpt", 8, 4, 4, ("interleaved",))
+
+
+@pytest.fixture(scope="module")
+def data_parallel() -> list[dict]:
+    """Tiny GPT, 2 stages × 2 replicas on 4 ranks, each replica with its own batch."""
+    return _run(data_parallel_job, 4, 2, 2)
+
+
+def test_tiny_gpt_tied_weight_gpipe_and_1f1b(gpt):
+    for k, schedule in enumerate(("gpipe", "1f1b")):
+        reports = [r[k] for r in gpt]
+        assert [r["schedule"] for r in reports] == [schedule, schedule]
+        assert [r["stages"] for r in reports] == [[0], [1]]
+        _assert_pipeline_cut("tiny_gpt", reports)
+        # the embedding lives on rank 0, the head on rank 1: both hold the tied weight and
+        # both get the full gradient (embedding's + head's), not just their own part
+        grads = [r["tied_grad"] for r in reports]
+        assert all(g is not None for g in grads), f"{schedule}: {TIED} held: {[g is not None for g in grads]}"
+        torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+def test_state_dict_per_rank_and_union_loads_into_plain_model(gpt):
+    dicts = [r[-1]["state_dict"] for r in gpt]
+    torch.manual_seed(0)
+    model, inputs, _, _ = models.tiny_gpt(8, size_ops=True)
+    plain = model.state_dict()
+    for rank, sd in enumerate(dicts):
+        assert set(sd) < set(plain), f"rank {rank}: extra keys {sorted(set(sd) - set(plain))}, or holds all"
+        assert {TIED, "lm_head.weight"} <= set(sd), f"rank {rank} lacks the tied weight"
+        for key, value in sd.items():
+            torch.testing.assert_close(value, plain[key], msg=lambda m: f"rank {rank} {key}: {m}")
+    params = {name for name, _ in model.named_parameters()}
+    held = [set(sd) & params for sd in dicts]
+    assert held[0] - {TIED} and held[1] - {TIED} and held[0] & held[1] == {TIED}, held
+    torch.manual_seed(1)  # other weights, so only the loaded ones can give the same outputs
+    other = models.tiny_gpt(8, size_ops=True).model
+    other.load_state_dict({**dicts[0], **dicts[1]})
+    with torch.no_grad():
+        torch.testing.assert_close(other(*inputs), model(*inputs))
+
+
+def test_unet_long_skips_on_three_ranks(unet):
+    for k in range(2):
+        reports = [r[k] for r in unet]
+        assert [r["stages"] for r in reports] == [[0], [1], [2]]
+        _assert_pipeline_cut("unet", reports)
+
+
+def test_two_input_branchy_with_uneven_microbatches(branchy):
+    for k in range(2):  # 7 samples in micro-batches of 3, 2, 2 (or so): the loss weighs them
+        _assert_pipeline_cut("two_input_branchy", [r[k] for r in branchy])
+
+
+def test_interleaved_two_stages_per_rank(interleaved):
+    reports = [r[0] for r in interleaved]
+    assert [r["stages"] for r in reports] == [[0, 2], [1, 3]]
+    _assert_pipeline_cut("tiny_gpt", reports)
+    torch.testing.assert_close(reports[0]["tied_grad"], reports[1]["tied_grad"], rtol=0, atol=0)
+
+
+def test_pipeline_2_by_data_parallel_2(data_parallel):
+    results = data_parallel
+    assert [(r["pipeline_rank"], r["data_parallel_rank"]) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [r["data_parallel_size"] for r in results] == [2, 2, 2, 2]
+    for replica_reports in (results[:2], results[2:]):
+        _assert_pipeline_cut("tiny_gpt", replica_reports)
+    assert len({r["loss"] for r in results}) == 1
+    assert [r["names"] for r in results[:2]] == [r["names"] for r in results[2:]]
+    grads = [r["tied_grad"] for r in results]
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("job", ["gpt", "unet", "branchy", "interleaved", "data_parallel"])
+def test_pipelined_forward_returns_plain_output_on_every_rank(job, request):
+    results = request.getfixturevalue(job)
+    reports = results if job == "data_parallel" else [report for rank in results for report in rank]
+    errors = [r["forward_error"] for r in reports if r["forward_error"] is not None]
+    assert not errors, "\n".join(errors)
+
+
+def test_dead_rank_fails_the_step_naming_it():
+    timeout_s = 10
+    start = time.monotonic()
+    results = _run(dead_rank_job, 2, timeout_s, allow_dead=True)
+    assert results[1] is None  # rank 1 died without a report, as planned
+    report = results[0]
+    assert report["is_pipeline_error"], report
+    assert "rank 1" in report["message"], report["message"]
+    assert report["elapsed_s"] < timeout_s + 5, report
+    assert time.monotonic() - start < 55
+
+
+def test_hung_rank_times_out_naming_it():
+    timeout_s = 3
+    results = _run(hung_rank_job, 2, timeout_s)
+    report = results[0]
+    assert report["is_pipeline_error"], report
+    message = report["message"]
+    assert "rank 1" in message and f"{timeout_s} s" in message, message
+    assert "timed out" in message or "timeout" in message, message
+    assert timeout_s - 0.5 <= report["elapsed_s"] < timeout_s + 5, report
+
+
+def test_mismatched_models_fail_on_every_rank():
+    results = _run(config_error_job, 2, (2, 3), 2)
+    for rank, report in enumerate(results):
+        assert report["is_config_error"], (rank, report)
+        assert "fingerprint" in report["message"] and "[1]" in report["message"], (rank, report["message"])
+
+
+def test_num_stages_must_divide_world_size():
+    results = _run(config_error_job, 2, (2, 2), 3)
+    for rank, report in enumerate(results):
+        assert report["is_config_error"], (rank, report)
+        message = report["message"]
+        assert "num_stages=3" in message and "[1, 2]" in message, (rank, message)

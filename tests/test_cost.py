@@ -1,0 +1,245 @@
+"""Tests of the cost model (``replica.partition.cost``): device specs, presets, the CPU cache, prices."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import replica
+from replica.partition import cost
+from replica.partition.cost import PRESETS, CostModel, DeviceSpec, device_spec
+from replica.partition.graph import Node
+
+RATES = dict(flops=1e12, half_flops=4e12, memory_bandwidth=1e11, memory_bytes=1e10, link_bandwidth=1e9,
+             link_latency_s=1e-5, op_overhead_s=1e-6)
+
+
+def spec(**changes) -> DeviceSpec:
+    return DeviceSpec(**{"name": "test", **RATES, **changes})
+
+
+def op(flops: float = 0.0, nbytes: float = 0.0, kind: str = "op") -> Node:
+    return Node(name="n", kind=kind, target="linear", module_path="", inputs=(), flops=flops, bytes_accessed=nbytes)
+
+
+# --------------------------------------------------------------------------- DeviceSpec
+
+
+def test_spec_is_kw_only():
+    with pytest.raises(TypeError):
+        DeviceSpec("x", 1.0, 1.0, 1.0, 1.0, 1.0, 0.0)  # type: ignore[misc]
+
+
+def test_spec_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec().flops = 2.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("field", ["flops", "half_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth",
+                                   "link_latency_s", "op_overhead_s"])
+def test_negative_rate_names_the_field(field):
+    with pytest.raises(replica.ConfigError, match=rf"DeviceSpec\.{field} must be a number >= 0, got -1"):
+        spec(**{field: -1})
+
+
+@pytest.mark.parametrize("field", ["flops", "half_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth"])
+def test_zero_rate_names_the_field(field):
+    with pytest.raises(replica.ConfigError, match=rf"DeviceSpec\.{field} must be > 0, got 0"):
+        spec(**{field: 0})
+
+
+@pytest.mark.parametrize("field", ["link_latency_s", "op_overhead_s"])
+def test_zero_latency_is_fine(field):
+    assert getattr(spec(**{field: 0.0}), field) == 0.0
+
+
+@pytest.mark.parametrize("value", ["fast", None, float("nan")])
+def test_non_number_rate(value):
+    with pytest.raises(replica.ConfigError, match=r"DeviceSpec\.flops"):
+        spec(flops=value)
+
+
+def test_spec_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        spec(flops=-5)
+
+
+def test_peak_by_dtype():
+    s = spec()
+    assert s.peak("float32") == s.peak("float64") == 1e12
+    assert s.peak("bfloat16") == s.peak("float16") == 4e12
+
+
+def test_device_spec_exported():
+    assert replica.DeviceSpec is DeviceSpec
+
+
+# --------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("name", ["a100-80gb", "h100-80gb"])
+def test_presets_exist(name):
+    s = device_spec(name)
+    assert s is PRESETS[name] and s.name == name
+    assert s.memory_bytes == 80 * 2**30
+    assert s.half_flops > s.flops > 0 and s.link_bandwidth > 0
+
+
+def test_h100_faster_than_a100():
+    a, h = PRESETS["a100-80gb"], PRESETS["h100-80gb"]
+    assert h.flops > a.flops and h.memory_bandwidth > a.memory_bandwidth
+
+
+def test_spec_passes_through():
+    s = spec()
+    assert device_spec(s) is s
+
+
+def test_unknown_device_lists_presets():
+    with pytest.raises(replica.ConfigError) as info:
+        device_spec("tpu-v9")
+    msg = str(info.value)
+    assert "'tpu-v9'" in msg and "'cpu'" in msg and "'a100-80gb'" in msg and "'h100-80gb'" in msg
+    assert "replica.DeviceSpec(" in msg
+
+
+# --------------------------------------------------------------------------- measured CPU
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty on-disk and in-process CPU spec cache, and a count of measurements."""
+    monkeypatch.setenv("REPLICA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "_CPU_SPECS", {})
+    calls = []
+
+    def counted():  # what _measure_cpu returns, without the half second of timing
+        calls.append(1)
+        return spec(name=f"cpu-{torch.get_num_threads()}t")
+
+    monkeypatch.setattr(cost, "_measure_cpu", counted)
+    return tmp_path, calls
+
+
+def cache_file(tmp_path):
+    return tmp_path / f"cpu-{torch.get_num_threads()}t.json"
+
+
+def test_cpu_is_measured_once_for_real(tmp_path, monkeypatch):
+    monkeypatch.setenv("REPLICA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "_CPU_SPECS", {})
+    s = device_spec("cpu")
+    assert s.name == f"cpu-{torch.get_num_threads()}t"
+    assert s.flops > 1e7 and s.half_flops > 0 and s.memory_bandwidth > 1e7 and 0 < s.op_overhead_s < 1e-2
+    assert DeviceSpec(**json.loads(cache_file(tmp_path).read_text())) == s
+    monkeypatch.setattr(cost, "_CPU_SPECS", {})
+    monkeypatch.setattr(cost, "_measure_cpu", lambda: pytest.fail("measured again despite the cache file"))
+    assert device_spec("cpu") == s
+
+
+def test_cpu_measured_once_and_written(cache):
+    tmp_path, calls = cache
+    assert not cache_file(tmp_path).exists()
+    s = device_spec("cpu")
+    assert calls == [1]
+    assert DeviceSpec(**json.loads(cache_file(tmp_path).read_text())) == s
+    assert device_spec("cpu") is s and calls == [1]
+
+
+def test_cpu_cache_file_reused_by_a_new_process(cache, monkeypatch):
+    tmp_path, calls = cache
+    first = device_spec("cpu")
+    monkeypatch.setattr(cost, "_CPU_SPECS", {})  # as if a new process started
+    assert device_spec("cpu") == first and calls == [1]
+
+
+def test_cpu_cache_file_is_trusted(cache):
+    tmp_path, calls = cache
+    written = dataclasses.replace(PRESETS["a100-80gb"], name="cpu-from-file")
+    cache_file(tmp_path).write_text(json.dumps(dataclasses.asdict(written)))
+    assert device_spec("cpu") == written and calls == []
+
+
+@pytest.mark.parametrize("text", ["{", '{"name": "x"}', '{"name": "x", "flops": -1, "half_flops": 1, '
+                                  '"memory_bandwidth": 1, "memory_bytes": 1, "link_bandwidth": 1, "link_latency_s": 0}'])
+def test_bad_cache_file_is_measured_again(cache, text):
+    tmp_path, calls = cache
+    cache_file(tmp_path).write_text(text)
+    s = device_spec("cpu")
+    assert calls == [1] and DeviceSpec(**json.loads(cache_file(tmp_path).read_text())) == s
+
+
+def test_unwritable_cache_still_measures(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("REPLICA_CACHE_DIR", str(tmp_path / "file" / "replica"))
+    monkeypatch.setattr(cost, "_CPU_SPECS", {})
+    monkeypatch.setattr(cost, "_measure_cpu", lambda: spec())
+    assert device_spec("cpu") == spec()
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "cpu:0", torch.device("cpu")])
+def test_cpu_names(cache, device):
+    assert device_spec(device).name.startswith("cpu-")
+
+
+# --------------------------------------------------------------------------- CostModel
+
+
+def test_forward_time_formula():
+    m = CostModel(spec())
+    assert m.forward_time(op(flops=2e12, nbytes=3e11)) == pytest.approx(2.0 + 3.0 + 1e-6)
+
+
+def test_forward_time_pays_overhead_per_call():
+    m = CostModel(spec())
+    assert m.forward_time(op(), num_calls=8) == pytest.approx(8e-6)
+    assert m.forward_time(op(flops=1e12), num_calls=4) == pytest.approx(1.0 + 4e-6)
+
+
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_inputs_and_outputs_are_free(kind):
+    assert CostModel(spec()).forward_time(op(flops=1e12, nbytes=1e11, kind=kind)) == 0.0
+
+
+def test_backward_is_twice_forward():
+    m = CostModel(spec())
+    n = op(flops=3e12, nbytes=5e10)
+    assert m.backward_time(n, 4) == pytest.approx(2 * m.forward_time(n, 4))
+
+
+def test_backward_factor():
+    m = CostModel(spec(), backward_factor=3.0)
+    assert m.backward_time(op(flops=1e12)) == pytest.approx(3 * m.forward_time(op(flops=1e12)))
+
+
+def test_transfer_time_formula():
+    m = CostModel(spec())
+    assert m.transfer_time(2e9) == pytest.approx(2.0 + 1e-5)
+    assert m.transfer_time(2e9, num_messages=3) == pytest.approx(2.0 + 3e-5)
+    assert m.transfer_time(0, num_messages=0) == 0.0
+
+
+@pytest.mark.parametrize("dtype, rate", [("float32", 1e12), ("float64", 1e12), ("bfloat16", 4e12),
+                                         ("float16", 4e12)])
+def test_half_precision_uses_half_flops(dtype, rate):
+    assert CostModel(spec(op_overhead_s=0.0), dtype=dtype).forward_time(op(flops=8e12)) == pytest.approx(8e12 / rate)
+
+
+def test_plan_of_a_bf16_model_uses_half_flops():
+    fast_memory = DeviceSpec(name="t", flops=1e9, half_flops=1e10, memory_bandwidth=1e30, memory_bytes=1e12,
+                             link_bandwidth=1e12, link_latency_s=0.0, op_overhead_s=0.0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    fp32 = replica.plan(model, x, device=fast_memory).stages[0].forward_time_s
+    bf16 = replica.plan(model.to(torch.bfloat16), x.to(torch.bfloat16), device=fast_memory).stages[0].forward_time_s
+    assert fp32 == pytest.approx(2 * 4 * (16 * 32 + 32 * 8) / 1e9)
+    assert bf16 == pytest.approx(fp32 / 10)
+
+
+def test_plan_records_the_device_name():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert replica.plan(model, torch.randn(2, 4), num_stages=2, device="h100-80gb").device == "h100-80gb"
