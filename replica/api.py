@@ -29,6 +29,8 @@ from replica.pipeline.schedule import (
     stages_per_rank,
 )
 from replica.pipeline.shapes import ShapeOracle
+from replica.pipeline.simulate import simulate, stage_costs_from_plan
+from replica.tuner import SCHEDULE_CHOICES, tune
 from replica.pipeline.weightgrad import defer_linear_weight_grads
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
@@ -47,7 +49,7 @@ def _check_schedule(schedule: str) -> str:
         raise ConfigError(f"schedule must be a string, got {type(schedule).__name__}")
     name = schedule.lower()
     if name == "auto":
-        return "1f1b"  # the measured default until the tuner chooses
+        return name
     if name not in SCHEDULES and name not in INTERLEAVED and name not in V_SHAPED:
         raise ConfigError(
             f"unknown schedule {schedule!r}; choose one of "
@@ -84,56 +86,72 @@ def _is_real(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
     return all(t.device.type != "meta" and type(t).__name__ != "FakeTensor" for t in tensors)
 
 
-DeviceArg = "str | DeviceSpec | Sequence[str | DeviceSpec] | None"
+class _Planner:
+    """Prices one traced model once (device specs, measured op times) and partitions it on
+    demand for any stage count, micro-batch count, schedule and data-parallel share."""
+
+    def __init__(self, traced: Traced, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *, device: Any,
+                 cost: str, memory_budget: float | Sequence[float] | None, memory_model: MemoryModel,
+                 num_microbatches: int | None, num_stages_hint: int) -> None:
+        if cost not in ("auto", "analytic", "profile"):
+            raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {cost!r}")
+        real = _is_real(model, inputs)
+        if cost == "profile" and not real:
+            raise ConfigError(
+                "cost='profile' times every op on real tensors, but the model or example_inputs are on the meta "
+                "device (or fake). Use cost='analytic' to plan without weights, or pass real tensors."
+            )
+        self.traced, self.memory_model = traced, memory_model
+        self.batch = microbatch.batch_size(inputs, "example_inputs")
+        self.devices = list(device) if isinstance(device, (list, tuple)) else None
+        self.spec = device_spec(device if device is not None and self.devices is None else
+                                (self.devices[0] if self.devices else _default_device(model)))
+        self.dtype = _model_dtype(model)
+        self.measured = {}
+        if cost == "profile" or (cost == "auto" and real and device is None and num_stages_hint > 1):
+            # Time each op on one micro-batch where the model lives: what the stages will run.
+            m = min(self.batch, num_microbatches or _default_microbatches(self.batch, num_stages_hint))
+            self.measured = profile(traced.module, microbatch.split(inputs, m, "example_inputs")[0])
+        self.memory_budget = memory_budget
+        if memory_budget is None and not self.measured:
+            self.memory_budget = self.spec.memory_bytes  # planning for accelerators: they must fit
+
+    def budget_per_device(self) -> float:
+        b = self.memory_budget
+        return float("inf") if b is None else float(min(b) if isinstance(b, (list, tuple)) else b)
+
+    def partition_for(self, num_stages: int, num_microbatches: int, schedule: str, replicas: int = 1,
+                      num_ranks: int | None = None, batch_fraction: float = 1.0) -> Plan:
+        m = num_microbatches
+        if m > self.batch:
+            raise ConfigError(
+                f"num_microbatches={m} but example_inputs have a batch of {self.batch}: each micro-batch needs at "
+                f"least one sample. Use num_microbatches <= {self.batch}, or trace with a larger batch."
+            )
+        if self.devices is not None:
+            if len(self.devices) != num_stages:
+                raise ConfigError(f"{len(self.devices)} devices for num_stages={num_stages}: give one device per stage")
+            specs = [device_spec(d) for d in self.devices]
+        else:
+            specs = [self.spec] * num_stages
+        by_spec: dict[int, CostModel] = {}
+        models = [by_spec.setdefault(id(sp), CostModel(sp, dtype=self.dtype, measured=self.measured,
+                                                       batch_fraction=batch_fraction)) for sp in specs]
+        schedule_data = make_schedule(schedule, num_stages, m, num_ranks)
+        budget = self.memory_budget
+        result = partition(self.traced.graph, models, num_stages=num_stages, num_microbatches=m, schedule=schedule,
+                           memory_model=self.memory_model, memory_budget=budget,
+                           in_flight=max_in_flight(schedule_data, num_stages))
+        timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]))
+        return dataclasses.replace(
+            result, data_parallel_size=replicas, predicted_step_time_s=timeline.step_time_s,
+            model_flops=3 * self.traced.graph.total_flops * batch_fraction * replicas,
+            device_peak_flops=self.spec.datasheet_flops or self.spec.peak(self.dtype),
+        )
 
 
-def _make_plan(
-    traced: Traced,
-    model: torch.nn.Module,
-    inputs: tuple[torch.Tensor, ...],
-    *,
-    num_stages: int,
-    num_ranks: int | None,
-    num_microbatches: int | None,
-    schedule: str,
-    device: Any,
-    cost: str = "auto",
-    memory_budget: float | Sequence[float] | None = None,
-    memory_model: MemoryModel = MemoryModel(),
-) -> Plan:
-    batch = microbatch.batch_size(inputs, "example_inputs")
-    m = num_microbatches or _default_microbatches(batch, num_stages)
-    if m > batch:
-        raise ConfigError(
-            f"num_microbatches={m} but example_inputs have a batch of {batch}: each micro-batch needs at least "
-            f"one sample. Use num_microbatches <= {batch}, or trace with a larger batch."
-        )
-    if cost not in ("auto", "analytic", "profile"):
-        raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {cost!r}")
-    real = _is_real(model, inputs)
-    if cost == "profile" and not real:
-        raise ConfigError(
-            "cost='profile' times every op on real tensors, but the model or example_inputs are on the meta "
-            "device (or fake). Use cost='analytic' to plan without weights, or pass real tensors."
-        )
-    if isinstance(device, (list, tuple)):
-        if len(device) != num_stages:
-            raise ConfigError(f"{len(device)} devices for num_stages={num_stages}: give one device per stage")
-        specs = [device_spec(d) for d in device]
-    else:
-        specs = [device_spec(device if device is not None else _default_device(model))] * num_stages
-    measured = {}
-    if cost == "profile" or (cost == "auto" and real and device is None and num_stages > 1):
-        # Time each op on one micro-batch where the model lives: what the stages will run.
-        measured = profile(traced.module, microbatch.split(inputs, m, "example_inputs")[0])
-    dtype = _model_dtype(model)
-    by_spec: dict[int, CostModel] = {}
-    models = [by_spec.setdefault(id(sp), CostModel(sp, dtype=dtype, measured=measured)) for sp in specs]
-    if memory_budget is None and all(sp.memory_bytes < float("inf") for sp in specs) and not measured:
-        memory_budget = [sp.memory_bytes for sp in specs]  # planning for accelerators: they must fit
-    in_flight = max_in_flight(make_schedule(schedule, num_stages, m, num_ranks), num_stages)
-    return partition(traced.graph, models, num_stages=num_stages, num_microbatches=m, schedule=schedule,
-                     memory_model=memory_model, memory_budget=memory_budget, in_flight=in_flight)
+def _wants_tuning(num_stages: int | None, num_microbatches: int | None, schedule: str | None) -> bool:
+    return schedule == "auto" or num_stages is None or num_microbatches is None
 
 
 def plan(
@@ -169,14 +187,52 @@ def plan(
     schedule = _check_schedule(schedule)
     traced = trace(model, example_inputs, leaf_modules=leaf_modules)
     inputs, _ = normalize_inputs(model, example_inputs)
-    stages, ranks, replicas = num_stages or stages_per_rank(schedule), None, 1
+    memory_model = MemoryModel(optimizer=optimizer, mixed_precision=mixed_precision)
+    planner = _Planner(traced, model, inputs, device=device, cost=cost, memory_budget=memory_budget,
+                       memory_model=memory_model, num_microbatches=num_microbatches,
+                       num_stages_hint=num_stages or world_size or 1)
+    if world_size is not None and num_stages is not None and schedule != "auto":
+        _layout(schedule, num_stages, None, world_size)  # num_stages must fit the world
+    if world_size is not None and _wants_tuning(num_stages, num_microbatches, schedule):
+        return _tuned(planner, world_size, global_batch=True, num_stages=num_stages,
+                      num_microbatches=num_microbatches, schedule=schedule, data_parallel_size=None)
+    name = "1f1b" if schedule == "auto" else schedule
+    stages, ranks, replicas = num_stages or stages_per_rank(name), None, 1
     if world_size is not None:
-        stages, ranks, replicas = _layout(schedule, num_stages, None, world_size)
-    result = _make_plan(traced, model, inputs, num_stages=stages, num_ranks=ranks,
-                        num_microbatches=num_microbatches, schedule=schedule, device=device, cost=cost,
-                        memory_budget=memory_budget,
-                        memory_model=MemoryModel(optimizer=optimizer, mixed_precision=mixed_precision))
-    return dataclasses.replace(result, data_parallel_size=replicas)
+        stages, ranks, replicas = _layout(name, num_stages, None, world_size)
+    return _fixed(planner, stages, ranks, replicas, num_microbatches, name, global_batch=True)
+
+
+def _fixed(planner: _Planner, stages: int, ranks: int | None, replicas: int, num_microbatches: int | None,
+           schedule: str, *, global_batch: bool) -> Plan:
+    """The plan of one given configuration."""
+    share = planner.batch // replicas if global_batch else planner.batch
+    if global_batch and planner.batch % replicas:
+        raise ConfigError(f"a global batch of {planner.batch} does not split over {replicas} data-parallel replicas")
+    m = num_microbatches or _default_microbatches(share, stages)
+    if m > share:
+        raise ConfigError(
+            f"num_microbatches={m} but each replica has a batch of {share}: each micro-batch needs at least one "
+            f"sample. Use num_microbatches <= {share}, or a larger batch."
+        )
+    return planner.partition_for(stages, m, schedule, replicas, num_ranks=ranks,
+                                 batch_fraction=1 / replicas if global_batch else 1.0)
+
+
+def _tuned(planner: _Planner, world_size: int, *, global_batch: bool, num_stages: int | None,
+           num_microbatches: int | None, schedule: str, data_parallel_size: int | None) -> Plan:
+    """The fastest configuration of ``world_size`` devices that fits, by simulation."""
+    schedules = SCHEDULE_CHOICES if schedule == "auto" else (schedule,)
+
+    def partition_for(stages: int, m: int, name: str, replicas: int) -> Plan:
+        return planner.partition_for(stages, m, name, replicas, num_ranks=stages // stages_per_rank(name),
+                                     batch_fraction=1 / replicas if global_batch else 1.0)
+
+    best, _ = tune(partition_for, world_size=world_size, batch=planner.batch, num_ops=len(planner.traced.graph.op_nodes),
+                   device=planner.spec, memory_budget=planner.budget_per_device(), num_stages=num_stages,
+                   num_microbatches=num_microbatches, schedules=schedules, data_parallel_size=data_parallel_size,
+                   global_batch=global_batch)
+    return best
 
 
 def _distributed() -> bool:
@@ -311,22 +367,34 @@ def auto_parallel(
     traced = trace(model, example_inputs, leaf_modules=leaf_modules)
     inputs, _ = normalize_inputs(model, example_inputs)
     world = dist.get_world_size() if _distributed() else 1
-    if plan is not None:
-        num_stages = plan.num_stages
-    if world > 1:
-        stages, ranks, replicas = _layout(schedule, num_stages, data_parallel_size, world)
-    else:
-        stages = num_stages or stages_per_rank(schedule)
-        ranks, replicas = max(1, stages // stages_per_rank(schedule)), 1
     if plan is None and (world == 1 or dist.get_rank() == 0):
-        plan = _make_plan(traced, model, inputs, num_stages=stages, num_ranks=ranks,
-                          num_microbatches=num_microbatches, schedule=schedule, device=device, cost=cost,
-                          memory_budget=memory_budget)
-        plan = dataclasses.replace(plan, data_parallel_size=replicas)
+        planner = _Planner(traced, model, inputs, device=device, cost=cost, memory_budget=memory_budget,
+                           memory_model=MemoryModel(), num_microbatches=num_microbatches,
+                           num_stages_hint=num_stages or world)
+        if world > 1 and num_stages is not None and schedule != "auto":
+            _layout(schedule, num_stages, data_parallel_size, world)  # num_stages must fit the world
+        if world > 1 and _wants_tuning(num_stages, num_microbatches, schedule):
+            plan = _tuned(planner, world, global_batch=False, num_stages=num_stages,
+                          num_microbatches=num_microbatches, schedule=schedule,
+                          data_parallel_size=data_parallel_size)
+        elif world == 1 and schedule == "auto":
+            plan = _tuned(planner, num_stages or 1, global_batch=False, num_stages=num_stages,
+                          num_microbatches=num_microbatches, schedule=schedule, data_parallel_size=1)
+        else:
+            name = "1f1b" if schedule == "auto" else schedule
+            if world > 1:
+                stages, ranks, replicas = _layout(name, num_stages, data_parallel_size, world)
+            else:
+                stages = num_stages or stages_per_rank(name)
+                ranks, replicas = max(1, stages // stages_per_rank(name)), 1
+            plan = _fixed(planner, stages, ranks, replicas, num_microbatches, name, global_batch=False)
+    elif plan is not None and world > 1:
+        _layout(plan.schedule, plan.num_stages, plan.data_parallel_size, world)  # the plan must fit this world
     try:
         if world > 1:
             plan = _agree_on_plan(plan, traced)
         assert plan is not None
+        ranks = max(1, plan.num_stages // stages_per_rank(plan.schedule))
         return PipelineModel(model, traced, plan, num_inputs=len(inputs), loss_fn=loss_fn,
                              loss_reduction=loss_reduction, num_pipeline_ranks=ranks, timeout_s=timeout_s)
     except RuntimeError as exc:  # a collective of the set-up failed: a peer died or hung

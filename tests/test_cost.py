@@ -42,7 +42,7 @@ def test_spec_is_frozen():
 @pytest.mark.parametrize("field", ["flops", "half_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth",
                                    "link_latency_s", "op_overhead_s"])
 def test_negative_rate_names_the_field(field):
-    with pytest.raises(replica.ConfigError, match=rf"DeviceSpec\.{field} must be a number >= 0, got -1"):
+    with pytest.raises(replica.ConfigError, match=rf"DeviceSpec\.{field} must be a finite number >= 0, got -1"):
         spec(**{field: -1})
 
 
@@ -243,3 +243,9 @@ def test_plan_of_a_bf16_model_uses_half_flops():
 def test_plan_records_the_device_name():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     assert replica.plan(model, torch.randn(2, 4), num_stages=2, device="h100-80gb").device == "h100-80gb"
+
+
+@pytest.mark.parametrize("bad", [True, float("inf"), float("nan")])
+def test_booleans_and_infinities_are_not_rates(bad):
+    with pytest.raises(replica.ConfigError, match="DeviceSpec.flops must be a finite number"):
+        spec(flops=bad)

@@ -277,3 +277,29 @@ def test_gpipe_and_one_f_one_b_are_valid(p, m, name):
     assert [in_flight(r) for r in schedule] == bound
     grid = format_grid(schedule, p).splitlines()
     assert len(grid) == p and len({len(line) for line in grid}) == 1
+
+
+def test_zero_bubble_h1_golden_grid():
+    from replica.pipeline.schedule import zero_bubble_h1
+
+    assert format_grid(zero_bubble_h1(3, 4), 3) == docstring_grid(zero_bubble_h1)
+
+
+def test_zero_bubble_v_golden_grid():
+    from replica.pipeline.schedule import zero_bubble_v
+
+    assert format_grid(zero_bubble_v(4, 4), 4) == docstring_grid(zero_bubble_v)
+
+
+def test_weight_actions_for_some_pairs_only_are_rejected():
+    from replica.pipeline.schedule import WEIGHT, zero_bubble_h1
+
+    schedule = [[a for a in actions if not (a.kind == WEIGHT and a.microbatch_index == 0)]
+                for actions in zero_bubble_h1(2, 2)]
+    with pytest.raises(replica.ScheduleError, match="never runs 0W0|never runs 1W0"):
+        validate(schedule, 2, 2)
+
+
+def test_zero_ranks_is_an_error():
+    with pytest.raises(replica.ScheduleError, match="num_ranks"):
+        make_schedule("interleaved", 4, 4, 0)

@@ -26,7 +26,10 @@ class DeviceSpec:
     ``flops`` is for fp32 (TF32 where a GPU uses it by default), ``half_flops`` for
     bf16/fp16; ``op_overhead_s`` is the fixed cost of launching one op (Python and
     dispatch on a CPU, a kernel launch on a GPU); ``link_*`` is the point-to-point
-    path to the neighbouring pipeline device.
+    path to the neighbouring pipeline device inside a node of ``devices_per_node``;
+    ``network_bandwidth`` the per-device bandwidth between nodes (0: same as the link).
+    ``datasheet_flops`` is the vendor's dense half-precision peak, the denominator of
+    model-FLOPs utilisation (0: ``half_flops``).
     """
 
     name: str
@@ -37,12 +40,17 @@ class DeviceSpec:
     link_bandwidth: float
     link_latency_s: float
     op_overhead_s: float = 0.0
+    devices_per_node: int = 1
+    network_bandwidth: float = 0.0
+    datasheet_flops: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "name" and not (isinstance(value, (int, float)) and value >= 0):
-                raise ConfigError(f"DeviceSpec.{f.name} must be a number >= 0, got {value!r}")
+            if f.name != "name" and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+            ):
+                raise ConfigError(f"DeviceSpec.{f.name} must be a finite number >= 0, got {value!r}")
         for name in ("flops", "half_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"DeviceSpec.{name} must be > 0, got {getattr(self, name)!r}")
@@ -50,17 +58,24 @@ class DeviceSpec:
     def peak(self, dtype: str) -> float:
         return self.half_flops if dtype in ("float16", "bfloat16") else self.flops
 
+    @property
+    def between_nodes_bandwidth(self) -> float:
+        return self.network_bandwidth or self.link_bandwidth
+
 
 GB = 1e9
 PRESETS: dict[str, DeviceSpec] = {
     # ~60% of the datasheet dense peaks (A100: 156 TF32 / 312 bf16 TFLOP/s, 2.0 TB/s HBM,
-    # 300 GB/s NVLink per direction; H100 SXM: 495 / 989, 3.35 TB/s, 450 GB/s).
+    # 300 GB/s NVLink per direction, 200 Gb/s InfiniBand per GPU; H100 SXM: 495 / 989,
+    # 3.35 TB/s, 450 GB/s, 400 Gb/s).
     "a100-80gb": DeviceSpec(name="a100-80gb", flops=95e12, half_flops=190e12, memory_bandwidth=1.6e12,
                             memory_bytes=80 * 2**30, link_bandwidth=240 * GB, link_latency_s=10e-6,
-                            op_overhead_s=6e-6),
+                            op_overhead_s=6e-6, devices_per_node=8, network_bandwidth=25 * GB,
+                            datasheet_flops=312e12),
     "h100-80gb": DeviceSpec(name="h100-80gb", flops=300e12, half_flops=600e12, memory_bandwidth=2.7e12,
                             memory_bytes=80 * 2**30, link_bandwidth=360 * GB, link_latency_s=8e-6,
-                            op_overhead_s=5e-6),
+                            op_overhead_s=5e-6, devices_per_node=8, network_bandwidth=50 * GB,
+                            datasheet_flops=989e12),
 }
 
 
@@ -147,31 +162,39 @@ class CostModel:
     Analytic: time = FLOPs / FLOP/s + bytes / bandwidth + launch overhead per call, and
     backward = ``backward_factor`` × forward (2: one matmul for the input, one for the
     weight). Ops found in ``measured`` (per micro-batch call, from :func:`profile`) use
-    their measured times instead.
+    their measured times instead. ``batch_fraction`` prices a share of the traced batch
+    (one data-parallel replica's, when the graph was traced at the global batch).
     """
 
     device: DeviceSpec
     dtype: str = "float32"
     backward_factor: float = 2.0
     measured: Mapping[str, OpTimes] = field(default_factory=dict)
+    batch_fraction: float = 1.0
+
+    def scaled(self, nbytes: float) -> float:
+        """Bytes of a tensor traced at the full batch, for the share of it this model prices."""
+        return nbytes * self.batch_fraction
 
     def _analytic(self, node: Node, num_calls: int) -> float:
         d = self.device
-        return node.flops / d.peak(self.dtype) + node.bytes_accessed / d.memory_bandwidth + num_calls * d.op_overhead_s
+        work = node.flops / d.peak(self.dtype) + node.bytes_accessed / d.memory_bandwidth
+        return work * self.batch_fraction + num_calls * d.op_overhead_s
 
     def forward_time(self, node: Node, num_calls: int = 1) -> float:
-        """Seconds to run ``node`` over the traced batch, split into ``num_calls`` micro-batches."""
+        """Seconds to run ``node`` over the traced batch (times ``batch_fraction``), split
+        into ``num_calls`` micro-batches."""
         if node.kind != "op":
             return 0.0
         if node.name in self.measured:
-            return self.measured[node.name].forward_s * num_calls
+            return self.measured[node.name].forward_s * num_calls * self.batch_fraction
         return self._analytic(node, num_calls)
 
     def backward_time(self, node: Node, num_calls: int = 1) -> float:
         if node.kind != "op":
             return 0.0
         if node.name in self.measured:
-            return self.measured[node.name].backward_s * num_calls
+            return self.measured[node.name].backward_s * num_calls * self.batch_fraction
         return self.backward_factor * self._analytic(node, num_calls)
 
     def transfer_time(self, nbytes: float, num_messages: int = 1) -> float:

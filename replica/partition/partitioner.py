@@ -187,7 +187,7 @@ def partition(
                 if readers:
                     directions = 2 if any(t.is_floating for t in n.outputs) else 1
                     transfers.append(Transfer(int(seg_of[i]), readers,
-                                              directions * cm.transfer_time(n.output_bytes, num_messages=0)))
+                                              directions * cm.transfer_time(cm.scaled(n.output_bytes), num_messages=0)))
             c = interval_costs(items, transfers)
             c[1:, :] += latency[k]  # every stage but the first receives (and returns gradients)
             c[:, :-1] += latency[k]  # every stage but the last sends
@@ -195,7 +195,8 @@ def partition(
         return transfers_by_model[key].copy()
 
     # --- memory ---------------------------------------------------------------------------
-    static, activation, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m)
+    static, activation, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m,
+                                                models[0].batch_fraction)
 
     def memory_matrix(k: int) -> np.ndarray:
         return static + activation * flights[k] + recv
@@ -235,7 +236,7 @@ def _budgets(memory_budget: float | Sequence[float] | None, models: list[CostMod
 
 
 def _memory_matrices(
-    graph: Graph, seg_of: np.ndarray, num_seg: int, memory_model: MemoryModel, m: int
+    graph: Graph, seg_of: np.ndarray, num_seg: int, memory_model: MemoryModel, m: int, fraction: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per stage ``[i, j)`` of segments: bytes of weights + gradients + optimizer state (each
     parameter once, wherever it is read), of activations per micro-batch, and of the
@@ -262,7 +263,7 @@ def _memory_matrices(
     per_seg = np.zeros(n)
     for i, x in enumerate(nodes):
         if _saves_activation(x):
-            per_seg[seg_of[i]] += x.output_bytes / m
+            per_seg[seg_of[i]] += x.output_bytes * fraction / m
     prefix = np.concatenate([[0.0], np.cumsum(per_seg)])
     activation = np.maximum(prefix[None, :] - prefix[:, None], 0.0)
     index = {x.name: i for i, x in enumerate(nodes)}
@@ -271,10 +272,11 @@ def _memory_matrices(
         readers = sorted({int(seg_of[index[u]]) for u in x.users} - {int(seg_of[i])})
         prev = int(seg_of[i])
         for s in readers:  # received by [i, j) iff the producer is before i and a reader inside
-            recv_d[prev + 1, s + 1] += x.output_bytes
-            recv_d[prev + 1, n + 1] -= x.output_bytes
-            recv_d[s + 1, s + 1] -= x.output_bytes
-            recv_d[s + 1, n + 1] += x.output_bytes
+            b = x.output_bytes * fraction
+            recv_d[prev + 1, s + 1] += b
+            recv_d[prev + 1, n + 1] -= b
+            recv_d[s + 1, s + 1] -= b
+            recv_d[s + 1, n + 1] += b
             prev = s
     recv = np.cumsum(np.cumsum(recv_d, axis=0), axis=1)[: n + 1, : n + 1]
     return static, activation, recv
@@ -323,7 +325,8 @@ def _describe(
             continue
         t = n.outputs[0] if len(n.outputs) == 1 else None
         b = BoundaryTensor(
-            n.name, stage_of[i], tuple(later), t.shape if t else None, t.dtype if t else None, n.output_bytes
+            n.name, stage_of[i], tuple(later), t.shape if t else None, t.dtype if t else None,
+            int(models[stage_of[i]].scaled(n.output_bytes)),
         )
         outgoing[stage_of[i]].append(b)
         for k in later:
@@ -338,7 +341,7 @@ def _describe(
         weight_bytes = sum(p.nbytes for p in infos if not p.is_buffer)
         numel = sum(p.nbytes // max(1, TensorInfo((), p.dtype).nbytes) for p in infos if not p.is_buffer)
         buffer_bytes = sum(p.nbytes for p in infos if p.is_buffer)
-        saved = sum(n.output_bytes for n in members if _saves_activation(n))
+        saved = int(cm.scaled(sum(n.output_bytes for n in members if _saves_activation(n))))
         received = sum(b.nbytes for b in incoming[k])
         fwd = sum(cm.forward_time(n, m) for n in members)
         bwd = sum(cm.backward_time(n, m) for n in members)
@@ -365,6 +368,7 @@ def _describe(
             module_paths=tuple(dict.fromkeys(n.module_path for n in members if n.module_path)),
             num_ops=sum(1 for n in members if n.kind == OP),
             device=cm.device.name,
+            activation_bytes=saved,
         ))
     step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}

@@ -62,6 +62,7 @@ class StagePlan:
     module_paths: tuple[str, ...] = ()
     num_ops: int = 0
     device: str = ""
+    activation_bytes: int = 0
 
     @property
     def predicted_time_s(self) -> float:
@@ -88,6 +89,9 @@ class Plan:
     graph_fingerprint: str = ""
     exact: bool = True
     lower_bound_s: float = 0.0
+    alternatives: tuple[tuple[str, float], ...] = ()
+    model_flops: float = 0.0
+    device_peak_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -103,6 +107,10 @@ class Plan:
         """Slowest stage over the mean stage: 1.00 is perfect balance."""
         mean = sum(s.predicted_time_s for s in self.stages) / self.num_stages
         return self.bottleneck_s / mean if mean > 0 else 1.0
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.schedule in ("interleaved", "zb-v") else 1
 
     @property
     def bubble_fraction(self) -> float:
@@ -143,10 +151,12 @@ class Plan:
                     memory=MemoryBreakdown(**s["memory"]), inputs=tuple(boundary(b) for b in s["inputs"]),
                     outputs=tuple(boundary(b) for b in s["outputs"]), module_paths=tuple(s["module_paths"]),
                     num_ops=s.get("num_ops", 0), device=s.get("device", ""),
+                    activation_bytes=s.get("activation_bytes", 0),
                 )
                 for s in data.pop("stages")
             )
             data["tied_parameters"] = {k: tuple(v) for k, v in data["tied_parameters"].items()}
+            data["alternatives"] = tuple((str(a), float(t)) for a, t in data.get("alternatives", ()))
             return cls(stages=stages, **data)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(
@@ -185,6 +195,13 @@ class Plan:
             gap = self.bottleneck_s / self.lower_bound_s - 1 if self.lower_bound_s > 0 else float("nan")
             lines.append(f"large graph: cut at its cheapest candidate points; bottleneck within {gap:.1%} "
                          "of the lower bound (total / stages, or the costliest op)")
+        if self.model_flops and self.predicted_step_time_s > 0:
+            devices = self.num_stages // max(1, self.stages_per_rank) * self.data_parallel_size
+            per_device = self.model_flops / self.predicted_step_time_s / max(1, devices)
+            mfu = f", {per_device / self.device_peak_flops:.0%} model-FLOPs utilisation" if self.device_peak_flops else ""
+            lines.append(f"predicted {per_device / 1e12:.1f} TFLOP/s per device{mfu}")
+        if self.alternatives:
+            lines.append("next best: " + "; ".join(f"{d} ({_seconds(t)})" for d, t in self.alternatives[:3]))
         for name, aliases in self.tied_parameters.items():
             holders = [s.stage_index for s in self.stages if name in s.parameter_names]
             if len(holders) > 1:

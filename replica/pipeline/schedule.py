@@ -203,7 +203,9 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
     each backward split into B (input gradient, sent upstream at once) and W (weight
     gradient) deferred into what would be the bubbles. For 3 stages, 4 micro-batches::
 
-        GRID
+        rank 0: 0F0 0F1 0F2 ... ... 0B0 0W0 0F3 0B1 0W1 ... 0B2 0W2 ... 0B3 0W3
+        rank 1: ... 1F0 1F1 ... 1B0 1W0 1F2 1B1 1W1 1F3 1B2 1W2 ... 1B3 1W3 ...
+        rank 2: ... ... 2F0 2B0 2W0 2F1 2B1 2W1 2F2 2B2 2W2 2F3 2B3 2W3 ... ...
     """
     _check(num_stages, num_microbatches)
     return list_schedule(list(range(num_stages)), num_microbatches, split_backward=True,
@@ -215,7 +217,8 @@ def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
     2P-1-r, so the first and the last stage share rank 0), split backward, W in the
     bubbles. For 4 stages on 2 ranks, 4 micro-batches::
 
-        GRID
+        rank 0: 0F0 0F1 0F2 3F0 3B0 3F1 3B1 0B0 0F3 0B1 3W0 3W1 0W0 3F2 3B2 0W1 3W2 0B2 0W2 3F3 3B3 3W3 ... 0B3 0W3
+        rank 1: ... 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 2W0 1W0 1F2 2F2 2W1 1W1 2B2 1B2 1F3 2F3 2W2 1W2 2B3 1B3 2W3 1W3
     """
     _check(num_stages, num_microbatches)
     if num_stages % 2:
@@ -231,7 +234,7 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1,
 }
 INTERLEAVED = {"interleaved": interleaved_one_f_one_b}
-V_SHAPED = {"zbv": zero_bubble_v}
+V_SHAPED = {"zb-v": zero_bubble_v}
 
 
 def stages_per_rank(name: str) -> int:
@@ -248,6 +251,8 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, num_ranks: 
     """The named schedule for ``num_stages`` stages over ``num_ranks`` pipeline ranks (default:
     one stage per rank, or two for interleaved schedules), validated."""
     key = name.lower()
+    if num_ranks is not None and num_ranks < 1:
+        raise ScheduleError(f"num_ranks must be >= 1, got {num_ranks}")
     if key in INTERLEAVED:
         ranks = num_ranks or max(1, num_stages // stages_per_rank(key))
         schedule = INTERLEAVED[key](ranks, num_stages, num_microbatches)
@@ -284,7 +289,7 @@ def placement(schedule: Sequence[Sequence[Action]]) -> dict[int, int]:
     return where
 
 
-def _dependencies(a: Action, num_stages: int, has_weight: set[tuple[int, int]]) -> list[Action]:
+def _dependencies(a: Action, num_stages: int) -> list[Action]:
     s, kind, i = a
     if kind == FORWARD:
         return [Action(s - 1, FORWARD, i)] if s > 0 else []
@@ -296,7 +301,6 @@ def _dependencies(a: Action, num_stages: int, has_weight: set[tuple[int, int]]) 
 def _ticks(schedule: Sequence[Sequence[Action]], num_stages: int) -> list[list[Action | None]]:
     """Unit-time replay: in each tick every rank runs its next action if its dependencies
     finished in an earlier tick. Raises ``ScheduleError`` on a deadlock."""
-    has_weight = {(a.stage_index, a.microbatch_index) for r in schedule for a in r if a.kind == WEIGHT}
     done: set[Action] = set()
     cursor = [0] * len(schedule)
     grid: list[list[Action | None]] = [[] for _ in schedule]
@@ -305,7 +309,7 @@ def _ticks(schedule: Sequence[Sequence[Action]], num_stages: int) -> list[list[A
         ready = []
         for rank, actions in enumerate(schedule):
             a = actions[cursor[rank]] if cursor[rank] < len(actions) else None
-            ready.append(a if a is not None and all(d in done for d in _dependencies(a, num_stages, has_weight)) else None)
+            ready.append(a if a is not None and all(d in done for d in _dependencies(a, num_stages)) else None)
         if not any(ready):
             stuck = [str(actions[cursor[r]]) for r, actions in enumerate(schedule) if cursor[r] < len(actions)]
             raise ScheduleError(f"schedule deadlocks: every rank waits (next actions {stuck})")
@@ -334,9 +338,10 @@ def validate(schedule: Sequence[Sequence[Action]], num_stages: int, num_microbat
     twice = sorted(str(a) for a, c in seen.items() if c > 1)
     if twice:
         raise ScheduleError(f"actions appear more than once: {twice[:6]}")
+    kinds = (FORWARD, BACKWARD, WEIGHT) if any(a.kind == WEIGHT for a in seen) else (FORWARD, BACKWARD)
     for s in range(num_stages):
         for i in range(num_microbatches):
-            for kind in (FORWARD, BACKWARD):
+            for kind in kinds:  # W for every (stage, micro-batch) or for none
                 if Action(s, kind, i) not in seen:
                     raise ScheduleError(f"schedule never runs {Action(s, kind, i)}")
     placement(schedule)

@@ -1,0 +1,188 @@
+"""The auto-tuner: pipeline ranks × replicas × micro-batches × schedule × split, by simulation.
+
+For every way to factor the world into pipeline ranks and data-parallel replicas,
+the graph is partitioned once (per stage count); every schedule and micro-batch
+count is then priced by replaying its action lists in the simulator with the
+stages' costs scaled to the replica's batch, checked against the memory budget,
+and charged the data-parallel all-reduce. The fastest configuration that fits is
+partitioned again exactly for its own micro-batches and schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from replica.errors import PartitionError, ScheduleError
+from replica.partition.cost import DeviceSpec
+from replica.partition.plan import Plan
+from replica.pipeline.schedule import INTERLEAVED, make_schedule, max_in_flight, stages_per_rank
+from replica.pipeline.simulate import StageCosts, simulate
+
+__all__ = ["Candidate", "tune", "SCHEDULE_CHOICES"]
+
+SCHEDULE_CHOICES = ("1f1b", "zb-h1", "zb-v", "interleaved", "gpipe")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration and what the simulator predicts for it."""
+
+    num_pipeline_ranks: int
+    data_parallel_size: int
+    num_stages: int
+    num_microbatches: int
+    schedule: str
+    step_time_s: float
+    peak_memory_bytes: int
+    fits: bool
+
+    def describe(self) -> str:
+        return (f"{self.num_pipeline_ranks} pipeline x {self.data_parallel_size} data, {self.num_stages} stages, "
+                f"{self.schedule}, {self.num_microbatches} micro-batches")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _microbatch_choices(batch: int, ranks: int, given: int | None) -> list[int]:
+    if given is not None:
+        return [given] if given <= batch else []
+    if ranks == 1:
+        return [1]
+    wanted = {ranks, 2 * ranks, 4 * ranks, 8 * ranks, batch}
+    return sorted(m for m in wanted if 1 <= m <= batch)
+
+
+def _allreduce_s(stage_bytes: float, replicas: int, ranks: int, device: DeviceSpec) -> float:
+    """Ring all-reduce of a stage's gradients over its replicas."""
+    if replicas == 1:
+        return 0.0
+    crosses_nodes = ranks * replicas > device.devices_per_node
+    bandwidth = device.between_nodes_bandwidth if crosses_nodes else device.link_bandwidth
+    return 2 * (replicas - 1) / replicas * stage_bytes / bandwidth + 2 * (replicas - 1) * device.link_latency_s
+
+
+def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, m: int, device: DeviceSpec,
+              budget: float) -> Candidate | None:
+    """Price ``plan``'s stages (one replica's batch) for ``m`` micro-batches under
+    ``schedule_name``, by simulation; memory per rank from the schedule's own in-flight counts."""
+    try:
+        schedule = make_schedule(schedule_name, plan.num_stages, m, ranks)
+    except ScheduleError:
+        return None
+    flights = max_in_flight(schedule, plan.num_stages)
+    where = {a.stage_index: r for r, actions in enumerate(schedule) for a in actions}
+    split = any(a.kind == "W" for actions in schedule for a in actions)
+    costs = []
+    memory = [0.0] * ranks
+    grads = [0.0] * ranks
+    for s in plan.stages:
+        k = s.stage_index
+        backward = s.backward_time_s / m
+        remote = k + 1 < plan.num_stages and where[k + 1] != where[k]
+        sends = sum(b.nbytes for b in s.outputs) / m
+        static = s.memory.parameters + s.memory.gradients + s.memory.optimizer
+        costs.append(StageCosts(
+            forward_s=s.forward_time_s / m,
+            backward_s=backward / 2 if split else backward,
+            weight_s=backward / 2 if split else 0.0,
+            send_s=(sends / device.link_bandwidth + device.link_latency_s) if remote else 0.0,
+            activation_bytes=int(s.activation_bytes / m),
+            static_bytes=static,
+        ))
+        memory[where[k]] += static + s.activation_bytes / m * flights[k] + sum(b.nbytes for b in s.inputs)
+        grads[where[k]] += s.memory.gradients
+    allreduce = [_allreduce_s(g, replicas, ranks, device) for g in grads]
+    timeline = simulate(schedule, costs, allreduce_s=allreduce)
+    peak = int(max(memory))
+    return Candidate(ranks, replicas, plan.num_stages, m, schedule_name, timeline.step_time_s, peak, peak <= budget)
+
+
+def tune(
+    partition_for: Callable[[int, int, str, int], Plan],
+    *,
+    world_size: int,
+    batch: int,
+    num_ops: int,
+    device: DeviceSpec,
+    memory_budget: float,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+    schedules: Sequence[str] = SCHEDULE_CHOICES,
+    data_parallel_size: int | None = None,
+    global_batch: bool = True,
+) -> tuple[Plan, list[Candidate]]:
+    """Search the configurations of ``world_size`` devices for the fastest that fits.
+
+    ``partition_for(num_stages, num_microbatches, schedule, replicas)`` makes a plan for
+    one replica's share of the global ``batch``. Returns the best plan (with
+    ``predicted_step_time_s``, ``data_parallel_size`` and the alternatives filled in) and
+    every candidate, best first. Raises ``PartitionError`` naming the world that would fit.
+    With ``global_batch=False`` the batch is each replica's own (as under torchrun).
+    """
+    candidates: list[Candidate] = []
+    plans: dict[tuple[int, int], Plan | None] = {}
+    for ranks in _divisors(world_size):
+        replicas = world_size // ranks
+        if data_parallel_size is not None and replicas != data_parallel_size:
+            continue
+        if global_batch and batch % replicas:
+            continue
+        per_replica = batch // replicas if global_batch else batch
+        for name in schedules:
+            stages = ranks * stages_per_rank(name)
+            if (ranks == 1 and stages > 1) or stages > num_ops or (num_stages is not None and stages != num_stages):
+                continue
+            if (stages, replicas) not in plans:
+                try:
+                    plans[(stages, replicas)] = partition_for(stages, min(per_replica, 4 * ranks), "1f1b",
+                                                              replicas)
+                except PartitionError:
+                    plans[(stages, replicas)] = None
+            plan = plans[(stages, replicas)]
+            if plan is None:
+                continue
+            for m in _microbatch_choices(per_replica, ranks, num_microbatches):
+                if name in INTERLEAVED and m % ranks:
+                    continue
+                found = _evaluate(plan, name, ranks, replicas, m, device, memory_budget)
+                if found is not None:
+                    candidates.append(found)
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_time_s)
+    if not candidates:
+        raise PartitionError(
+            f"no way to lay out {world_size} devices as pipeline ranks x data-parallel replicas: a pipeline of P "
+            f"ranks needs at least P of the model's {num_ops} ops, and R replicas need "
+            + (f"a global batch divisible by R (it is a batch of {batch})" if global_batch else "R to divide it")
+            + (f", with num_stages={num_stages}" if num_stages else "")
+            + f". Use a world_size that factors as (<= {num_ops} stages) x (a divisor of {batch})."
+        )
+    if not fitting:
+        raise _no_fit(candidates, world_size, memory_budget)
+    best = fitting[0]
+    final = partition_for(best.num_stages, best.num_microbatches, best.schedule, best.data_parallel_size)
+    again = _evaluate(final, best.schedule, best.num_pipeline_ranks, best.data_parallel_size,
+                      best.num_microbatches, device, memory_budget)
+    step = again.step_time_s if again is not None else best.step_time_s
+    alternatives = tuple((c.describe(), c.step_time_s) for c in fitting[1:6])
+    plan = dataclasses.replace(final, data_parallel_size=best.data_parallel_size, predicted_step_time_s=step,
+                               alternatives=alternatives)
+    return plan, fitting + sorted((c for c in candidates if not c.fits), key=lambda c: c.step_time_s)
+
+
+def _no_fit(candidates: list[Candidate], world_size: int, budget: float) -> PartitionError:
+    least = min(candidates, key=lambda c: c.peak_memory_bytes)
+    # Memory per device falls about linearly with the pipeline depth: scale the world up.
+    factor = least.peak_memory_bytes / budget
+    needed = world_size
+    while needed < world_size * factor * 1.05:
+        needed *= 2
+    return PartitionError(
+        f"no configuration of {world_size} devices fits {budget / 2**30:.0f} GiB per device: the leanest "
+        f"({least.describe()}) needs {least.peak_memory_bytes / 2**30:.0f} GiB on its fullest device. "
+        f"About {needed} devices are needed (memory shrinks with pipeline depth); pass world_size={needed}, "
+        "or lighten the optimizer state (mixed precision, sharding)."
+    )
