@@ -1,5 +1,6 @@
 """Replica: automatic pipeline model parallelism for PyTorch."""
 
+from replica import defaults
 from replica.api import PipelineModel, auto_parallel, plan
 from replica.errors import (
     ConfigError,
@@ -11,12 +12,21 @@ from replica.errors import (
 )
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
+from replica.train.checkpoint import CheckpointError, load_into_plain_model
+from replica.train.trainer import Trainer, get_trainer
+from replica.viz.report import visualize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "auto_parallel",
     "plan",
+    "visualize",
+    "get_trainer",
+    "Trainer",
+    "defaults",
+    "load_into_plain_model",
+    "CheckpointError",
     "Plan",
     "PipelineModel",
     "DeviceSpec",

@@ -47,6 +47,11 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(plan.to_json())
         print(f"plan written to {args.json}")
+    if args.html:
+        from replica.viz.report import visualize
+
+        visualize(plan, args.html)
+        print(f"report written to {args.html}")
     return 0
 
 
@@ -62,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", help="cpu, a100-80gb, h100-80gb (default: where the model lives)")
     p.add_argument("--cost", default="auto", choices=["auto", "analytic", "profile"])
     p.add_argument("--json", help="also write the plan as JSON here")
+    p.add_argument("--html", help="also write the plan report (one self-contained HTML file) here")
     p.set_defaults(run=_plan)
     args = parser.parse_args(argv)
     try:

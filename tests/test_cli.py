@@ -36,3 +36,10 @@ def test_bad_factory_is_a_clear_error(capsys):
     assert "nothing_here" in capsys.readouterr().err
     assert main(["plan", "no_colon"]) == 2
     assert "MODULE:FACTORY" in capsys.readouterr().err
+
+
+def test_plan_writes_the_html_report(tmp_path, capsys):
+    out = tmp_path / "p.html"
+    assert main(["plan", "tests.test_cli:tiny_factory", "--num-stages", "2", "--device", "a100-80gb",
+                 "--html", str(out)]) == 0
+    assert 'data-stage="1"' in out.read_text()

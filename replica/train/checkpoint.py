@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import time
@@ -36,9 +35,8 @@ import torch.distributed as dist
 from replica.errors import ReplicaError
 
 __all__ = [
-    "CheckpointError", "Shard", "save", "checkpoints", "verify", "latest", "resolve", "read_manifest",
-    "load_model_state", "load_optimizer_states", "load_rng", "rng_state", "set_rng_state",
-    "load_into_plain_model",
+    "CheckpointError", "Shard", "save", "step_dir", "checkpoints", "verify", "latest", "resolve", "read_manifest",
+    "load_model_state", "load_optimizer_states", "load_rng", "load_into_plain_model",
 ]
 
 FORMAT = 1
@@ -67,42 +65,6 @@ def _name(kind: str, index: int, count: int) -> str:
 
 def step_dir(checkpoint_dir: str | os.PathLike[str], step: int) -> Path:
     return Path(checkpoint_dir) / f"step-{step:08d}"
-
-
-# --------------------------------------------------------------------------- RNG states
-
-
-def rng_state() -> dict[str, Any]:
-    """torch, python ``random`` and numpy generator states, in types ``weights_only`` loads."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-    }
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached": float(cached)}
-    except ImportError:  # numpy is optional at run time
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    if "numpy" in state:
-        import numpy as np
-
-        s = state["numpy"]
-        np.random.set_state((s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached"]))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # --------------------------------------------------------------------------- writing
@@ -194,11 +156,14 @@ def save(checkpoint_dir: str | os.PathLike[str], step: int, shard: Shard | None,
     if shard is not None:
         try:
             files = _write_shard(tmp, shard)
-        except OSError as exc:
-            mine = f"shard {shard.index} of {shard.count} could not be written to {tmp}: {exc}"
+        except Exception as exc:  # reported to every rank below, never left for them to wait on
+            mine = f"shard {shard.index} of {shard.count} could not be written to {tmp}: {type(exc).__name__}: {exc}"
     reports = _gather((shard.count if shard is not None else None, files, mine))
     if is_root:
-        problem = _publish(root, final, tmp, step, reports, meta, keep)
+        try:
+            problem = _publish(root, final, tmp, step, reports, meta, keep)
+        except Exception as exc:  # every rank waits for this answer: give one
+            problem = f"cannot publish checkpoint {final}: {type(exc).__name__}: {exc}"
     problem = _from_rank0(problem)
     if problem:
         raise CheckpointError(problem)
@@ -364,8 +329,8 @@ def load_rng(path: str | os.PathLike[str], shard_index: int) -> dict[str, Any]:
     """The RNG states shard ``shard_index`` wrote (the last shard's when there are fewer)."""
     path = Path(path)
     count = int(read_manifest(path)["num_shards"])
-    i = min(shard_index, count - 1)
-    return _load(path / _name("rng", i, count))
+    state: dict[str, Any] = _load(path / _name("rng", min(shard_index, count - 1), count))
+    return state
 
 
 def load_into_plain_model(path: str | os.PathLike[str], model: torch.nn.Module, *, strict: bool = True

@@ -1,10 +1,12 @@
 """Batches for the trainer: a seeded order per epoch, tensors, datasets or loaders, small last batches merged.
 
 Every rank builds the same batches from the same data: the order of epoch ``e`` is
-``randperm(n)`` from a generator seeded with ``(seed, e)`` alone, so a resumed run (on
-any number of ranks) sees exactly the batches an uninterrupted one would. A last batch
-too small for the pipeline (fewer samples than micro-batches × replicas) is MERGED
-into the batch before it: no sample is dropped and no step crashes.
+``randperm(n)`` from a generator seeded with ``(seed, e)`` alone, and batch boundaries
+never depend on the pipeline's layout, so a resumed run (with any number of stages or
+ranks) sees exactly the batches an uninterrupted one would. For training, a partial
+last batch is MERGED into the batch before it (that step takes ``batch_size + r``
+samples): no sample is dropped, and no batch is ever smaller than the pipeline needs
+(a whole batch always holds at least micro-batches × replicas samples).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from replica.errors import ConfigError
 
-__all__ = ["Batch", "DataSource", "make_source", "epoch_order", "shard", "pad"]
+__all__ = ["Batch", "DataSource", "LoaderSource", "make_source", "epoch_order", "shard", "pad"]
 
 Batch = tuple[tuple[torch.Tensor, ...], Any]  # (inputs, target)
 
@@ -29,11 +31,12 @@ def epoch_order(num_samples: int, epoch: int, seed: int, shuffle: bool) -> torch
     return torch.randperm(num_samples, generator=generator)
 
 
-def _chunks(order: torch.Tensor, batch_size: int, min_size: int) -> list[torch.Tensor]:
-    """Batches of ``batch_size`` indices; a last one under ``min_size`` joins the one before."""
+def _chunks(order: torch.Tensor, batch_size: int, merge_last: bool) -> list[torch.Tensor]:
+    """Batches of ``batch_size`` indices; with ``merge_last`` a partial last one joins the one before."""
     chunks = list(torch.split(order, batch_size))
-    if len(chunks) > 1 and len(chunks[-1]) < min_size:
-        chunks[-2] = torch.cat([chunks[-2], chunks.pop()])
+    if merge_last and len(chunks) > 1 and len(chunks[-1]) < batch_size:
+        last = chunks.pop()
+        chunks[-1] = torch.cat([chunks[-1], last])
     return chunks
 
 
@@ -48,16 +51,16 @@ def _as_inputs(x: Any) -> tuple[torch.Tensor, ...]:
 class DataSource:
     """What ``train_dataset`` / ``evaluate`` / ``predict`` read; ``batches(...)`` yields ``(inputs, target)``."""
 
-    num_samples: int | None
+    num_samples: int | None  # None: unknown (an iterable loader)
 
-    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, min_size: int,
+    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, merge_last: bool,
                 start: int = 0) -> Iterator[Batch]:
         raise NotImplementedError
 
-    def num_batches(self, batch_size: int, min_size: int) -> int | None:
+    def num_batches(self, batch_size: int, merge_last: bool) -> int | None:
         if self.num_samples is None:
             return None
-        return len(_chunks(torch.arange(self.num_samples), batch_size, min_size))
+        return len(_chunks(torch.arange(self.num_samples), batch_size, merge_last))
 
 
 class TensorSource(DataSource):
@@ -70,7 +73,7 @@ class TensorSource(DataSource):
                 f"x must be a tensor (or a tuple of tensors) with the samples along dim 0; got "
                 f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in inputs]}"
             )
-        self.num_samples = sizes.pop()
+        self.num_samples: int = sizes.pop()
         if target is not None:
             if not isinstance(target, torch.Tensor) or target.dim() == 0:
                 raise ConfigError(f"y must be a tensor with one target per sample along dim 0, got {type(target).__name__}")
@@ -82,29 +85,29 @@ class TensorSource(DataSource):
             raise ConfigError("x has no samples (dim 0 is 0)")
         self.inputs, self.target = inputs, target
 
-    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, min_size: int,
+    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, merge_last: bool,
                 start: int = 0) -> Iterator[Batch]:
         order = epoch_order(self.num_samples, epoch, seed, shuffle)
-        for idx in _chunks(order, batch_size, min_size)[start:]:
+        for idx in _chunks(order, batch_size, merge_last)[start:]:
             yield tuple(t[idx] for t in self.inputs), None if self.target is None else self.target[idx]
 
 
 class DatasetSource(DataSource):
     """A map-style ``Dataset`` whose items are ``(x, y)``; batches collated with ``default_collate``."""
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: Dataset[Any]) -> None:
         try:
-            self.num_samples = len(dataset)  # type: ignore[arg-type]
+            self.num_samples: int = len(dataset)  # type: ignore[arg-type]
         except TypeError:
             raise ConfigError(f"{type(dataset).__name__} has no len(); pass a map-style Dataset or a DataLoader") from None
         if self.num_samples == 0:
             raise ConfigError(f"the dataset {type(dataset).__name__} is empty")
         self.dataset = dataset
 
-    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, min_size: int,
+    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, merge_last: bool,
                 start: int = 0) -> Iterator[Batch]:
         order = epoch_order(self.num_samples, epoch, seed, shuffle)
-        for idx in _chunks(order, batch_size, min_size)[start:]:
+        for idx in _chunks(order, batch_size, merge_last)[start:]:
             yield _split_item(default_collate([self.dataset[int(i)] for i in idx]))
 
 
@@ -120,7 +123,8 @@ def _split_item(batch: Any) -> Batch:
 
 
 class LoaderSource(DataSource):
-    """A ``DataLoader`` (or any iterable of ``(x, y)`` batches): its own order and batch size."""
+    """A ``DataLoader`` (or any iterable of ``(x, y)`` batches): its own order and batch size.
+    With ``merge_last``, a batch smaller than the loader's first joins the one before."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
@@ -130,14 +134,15 @@ class LoaderSource(DataSource):
         except TypeError:
             self.num_samples = None
 
-    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, min_size: int,
+    def batches(self, *, epoch: int, batch_size: int, shuffle: bool, seed: int, merge_last: bool,
                 start: int = 0) -> Iterator[Batch]:
         held: Batch | None = None
-        index = 0
+        index, full = 0, None
         for raw in self.loader:
             batch = _split_item(raw)
-            if held is not None and min(_size(held), _size(batch)) < min_size:
-                held = _concat(held, batch)  # a batch too small for the pipeline joins its neighbour
+            full = _size(batch) if full is None else full
+            if merge_last and held is not None and _size(batch) < full:
+                held = _concat(held, batch)  # a short (last) batch joins the one before
                 continue
             if held is not None:
                 if index >= start:
@@ -147,7 +152,7 @@ class LoaderSource(DataSource):
         if held is not None and index >= start:
             yield held
 
-    def num_batches(self, batch_size: int, min_size: int) -> int | None:
+    def num_batches(self, batch_size: int, merge_last: bool) -> int | None:
         try:
             return len(self.loader)
         except TypeError:

@@ -17,7 +17,7 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 def _constructor_kwargs(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The ``defaults`` the constructor accepts (``AdamW`` keeps keys in ``defaults`` it does not take)."""
     try:
-        params = inspect.signature(cls.__init__).parameters
+        params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
         return dict(defaults)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

@@ -61,7 +61,7 @@ class Reporter:
         self._bar = Progress(
             TextColumn(f"epoch {epoch + 1}/{num_epochs}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
-            TimeRemainingColumn(), console=console,
+            TimeRemainingColumn(), console=console, transient=True,  # the epoch's summary line replaces it
         )
         self._bar.start()
         self._task = self._bar.add_task("train", total=num_batches, completed=done, loss="-", rate="-")

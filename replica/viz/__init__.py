@@ -1,1 +1,1 @@
-"""Pictures of plans and schedules: chrome traces of pipeline timelines."""
+"""Pictures of plans and schedules: the HTML report, PNG charts, chrome traces."""

@@ -1,0 +1,71 @@
+"""One rank's share of the training state: the shard it writes, and a checkpoint loaded back into it.
+
+A rank holds some stages' weights, its optimizer's state for them and its RNG states.
+Everything is keyed by ORIGINAL parameter name, so a checkpoint loads into any layout:
+each rank takes the names it holds from every shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replica.api import PipelineModel
+from replica.errors import ReplicaError
+from replica.train import checkpoint as ckpt
+from replica.train.optim import load_state_by_name, state_by_name
+from replica.train.rng import rng_state, set_rng_state
+
+__all__ = ["shard_of", "load_into_pipeline"]
+
+
+def _weights(pipeline: PipelineModel, plain_keys: Collection[str]) -> dict[str, torch.Tensor]:
+    """The state_dict entries this rank holds that the plain model has (no stage-only buffers)."""
+    return {k: v for k, v in pipeline.state_dict().items() if k in plain_keys}
+
+
+def shard_of(pipeline: PipelineModel, optimizer: torch.optim.Optimizer | None, names: Mapping[int, str],
+             plain_keys: Collection[str], world_size: int) -> ckpt.Shard | None:
+    """What this rank writes: one shard per pipeline rank, by data-parallel replica 0 only."""
+    if pipeline.data_parallel_rank != 0:
+        return None
+    return ckpt.Shard(index=pipeline.pipeline_rank, count=world_size // pipeline.data_parallel_size,
+                      model=_weights(pipeline, plain_keys), optimizer=state_by_name(optimizer, names),
+                      rng=rng_state())
+
+
+def load_into_pipeline(path: str | Path, pipeline: PipelineModel, optimizer: torch.optim.Optimizer | None,
+                       names: Mapping[int, str], plain_keys: Collection[str]) -> dict[str, Any]:
+    """Copy checkpoint ``path``'s weights, optimizer state and RNG states into this rank's share;
+    returns the trainer state the manifest recorded."""
+    meta: dict[str, Any] = ckpt.read_manifest(path)["trainer"]
+    held = _weights(pipeline, plain_keys)
+    saved = ckpt.load_model_state(path, names=held.keys())
+    missing = sorted(set(held) - set(saved))
+    if missing:
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} lacks {len(missing)} of this rank's {len(held)} weights "
+            f"(e.g. {missing[:3]}): it was written for a different model"
+        )
+    with torch.no_grad():
+        for key, tensor in held.items():
+            if tensor.shape != saved[key].shape:
+                raise ckpt.CheckpointError(
+                    f"checkpoint {path}: {key} has shape {tuple(saved[key].shape)}, the model's is "
+                    f"{tuple(tensor.shape)}; it was written for a different model"
+                )
+            tensor.copy_(saved[key])
+    try:
+        load_state_by_name(optimizer, ckpt.load_optimizer_states(path), names)
+    except (KeyError, RuntimeError, TypeError, ValueError) as exc:
+        if isinstance(exc, ReplicaError):
+            raise
+        raise ckpt.CheckpointError(
+            f"the optimizer state in {path} does not fit {type(optimizer).__name__} "
+            f"({type(exc).__name__}: {exc}); resume with the optimizer (class and param groups) that wrote it"
+        ) from None
+    set_rng_state(ckpt.load_rng(path, pipeline.pipeline_rank))
+    return meta

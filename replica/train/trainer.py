@@ -1,0 +1,427 @@
+"""The Keras-like front door: ``get_trainer`` builds the pipeline on the first batch, then trains,
+evaluates, predicts and checkpoints, in one process or on every rank of ``torch.distributed`` alike.
+
+    trainer = replica.get_trainer(config=replica.defaults.default_config(), model=model,
+                                  loss=torch.nn.CrossEntropyLoss(),
+                                  optimizer=torch.optim.Adam(model.parameters(), lr=1e-3))
+    trainer.train_dataset(x_train, y_train, epochs=10)
+    accuracy = trainer.evaluate(x_test, y_test)
+
+Resuming: with ``config.checkpoint_dir`` set, the first ``train_dataset`` call of a trainer
+loads the newest good checkpoint there (weights, optimizer, RNG states, data position).
+Each checkpoint records which ``train_dataset`` call of the trainer's life wrote it, so
+a restarted script replays its calls: those the checkpoint shows finished return at once,
+the one it interrupted continues from the next batch, later ones run as usual.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from replica.api import PipelineModel, auto_parallel
+from replica.defaults import TrainerConfig, default_config
+from replica.errors import ConfigError
+from replica.pipeline import microbatch
+from replica.pipeline.schedule import stages_per_rank
+from replica.train import checkpoint as ckpt
+from replica.train.data import Batch, DataSource, LoaderSource, make_source, pad, shard
+from replica.train.metrics import batch_sums, metric_names
+from replica.train.optim import OptimizerFactory, make_optimizer
+from replica.train.report import Reporter
+from replica.train.state import load_into_pipeline, shard_of
+
+__all__ = ["Trainer", "get_trainer"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _take(out: Any, n: int) -> Any:
+    """The first ``n`` samples of every batched tensor in ``out`` (drops padding)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, out)
+
+
+class Trainer:
+    """Trains ``model`` through an automatic pipeline; made by :func:`get_trainer`.
+
+    Attributes: ``pipeline`` (the :class:`replica.PipelineModel`, None before the first
+    batch), ``optimizer`` (for the parameters this rank holds), ``step`` (optimizer steps
+    so far), ``epoch`` (finished epochs), ``history`` (one dict per epoch),
+    ``resumed_from`` (the checkpoint loaded, or None).
+    """
+
+    def __init__(self, config: TrainerConfig, model: torch.nn.Module, loss: LossFn,
+                 optimizer: torch.optim.Optimizer | OptimizerFactory) -> None:
+        self.config = config
+        if config.device is not None:
+            device = torch.device(config.device)
+            if device.type == "cuda" and device.index is None and _distributed():
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            model.to(device)  # parameters stay the same objects: the optimizer still points at them
+        self.model, self.loss, self._optimizer_arg = model, loss, optimizer
+        self.device = next(model.parameters()).device
+        self.loss_reduction = getattr(loss, "reduction", "mean")
+        if self.loss_reduction not in ("mean", "sum"):
+            raise ConfigError(
+                f"the loss has reduction={self.loss_reduction!r}; the pipeline needs a scalar per micro-batch: "
+                "use reduction='mean' (the default) or 'sum'"
+            )
+        self._model_names = {id(p): name for name, p in model.named_parameters()}
+        self._plain_keys = frozenset(model.state_dict())
+        self.pipeline: PipelineModel | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._names: dict[int, str] = {}
+        self.step = self.epoch = 0
+        self._batch_in_epoch = 0
+        self._call = self._call_start_epoch = 0
+        self._calls = 0
+        self._resume_checked = False
+        self._resumed: dict[str, Any] | None = None  # the trainer state of the checkpoint loaded, until its call
+        self._last_saved_step: int | None = None
+        self._due = False  # a checkpoint fell due on an epoch's last step
+        self._run: dict[str, Any] = {}
+        self.history: list[dict[str, Any]] = []
+        self.resumed_from: Path | None = None
+        self._join_world()
+
+    def _join_world(self) -> None:
+        """Rank and world size, read again until the pipeline exists: a process group started after
+        ``get_trainer`` still counts. Only rank 0 reports."""
+        if self.pipeline is not None and hasattr(self, "reporter"):
+            return
+        self.rank = dist.get_rank() if _distributed() else 0
+        self.world_size = dist.get_world_size() if _distributed() else 1
+        self.is_main = self.rank == 0
+        c = self.config
+        self.reporter = Reporter(enabled=self.is_main, progress=c.progress, log_every_steps=c.log_every_steps,
+                                 metrics_file=c.metrics_file)
+
+    # --- the pipeline ----------------------------------------------------------------------
+    def _replicas(self) -> int:
+        """Data-parallel replicas before the plan exists: as configured, else what ``num_stages``
+        leaves of the world, else none (every rank a pipeline rank)."""
+        c = self.config
+        if self.world_size == 1:
+            return 1
+        if c.data_parallel_size is not None:
+            return c.data_parallel_size
+        if c.num_stages is not None:
+            ranks = max(1, c.num_stages // stages_per_rank(c.schedule))
+            if self.world_size % ranks == 0:
+                return self.world_size // ranks
+        return 1
+
+    def _build(self, source: DataSource, batch_size: int) -> None:
+        """Trace, plan and split on a first batch of ``batch_size`` (this replica's share of it);
+        a data set smaller than that is repeated to fill it, so the plan never depends on its size.
+        A ``DataLoader``'s first batch is taken as it comes: the loader sets the batch size."""
+        first = next(source.batches(epoch=0, batch_size=batch_size, shuffle=False, seed=0, merge_last=False))
+        d = self._replicas()
+        inputs = first[0] if isinstance(source, LoaderSource) else pad(first[0], batch_size)[0]
+        inputs = shard((inputs, None), d, 0)[0]
+        c = self.config
+        pm = auto_parallel(self.model, self._to_device((inputs, None))[0], num_stages=c.num_stages,
+                           num_microbatches=c.num_microbatches, schedule=c.schedule, loss_fn=self.loss,
+                           loss_reduction=self.loss_reduction,
+                           data_parallel_size=d if self.world_size > 1 else None, timeout_s=c.timeout_s)
+        held = dict(pm.named_parameters())
+        self._names = {id(p): name for name, p in held.items()}
+        self.optimizer = make_optimizer(self._optimizer_arg, self._model_names, held)
+        self.pipeline = pm
+        p = pm.plan
+        self.reporter.record("plan", num_stages=p.num_stages, num_microbatches=p.num_microbatches,
+                             schedule=p.schedule, data_parallel_size=p.data_parallel_size,
+                             world_size=self.world_size)
+
+    @property
+    def _min_batch(self) -> int:
+        """The fewest samples a training step takes: a micro-batch per replica needs one each."""
+        assert self.pipeline is not None
+        return self.pipeline.plan.num_microbatches * self.pipeline.data_parallel_size
+
+    def _to_device(self, batch: Batch) -> Batch:
+        inputs = tuple(t.to(self.device, non_blocking=True) for t in batch[0])
+        target = batch[1].to(self.device, non_blocking=True) if isinstance(batch[1], torch.Tensor) else batch[1]
+        return inputs, target
+
+    def _agree(self, what: str, values: tuple[Any, ...]) -> None:
+        """Every rank must call the same method on the same data, or the pipeline would hang."""
+        if not _distributed():
+            return
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, values)
+        if any(v != everyone[0] for v in everyone):
+            raise ConfigError(
+                f"ranks called {what} with different arguments (call, samples, batch_size, ...): "
+                + ", ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
+                + ". Every rank must call the trainer's methods alike, on the same data."
+            )
+
+    # --- training --------------------------------------------------------------------------
+    def train_dataset(self, x: Any, y: Any = None, epochs: int = 1, batch_size: int | None = None,
+                      shuffle: bool | None = None,
+                      on_step_end: Callable[["Trainer"], None] | None = None) -> list[dict[str, Any]]:
+        """Train for ``epochs`` epochs over ``(x, y)`` tensors, a ``Dataset`` of ``(x, y)`` or a
+        ``DataLoader`` (then ``y`` is None and the loader sets batch size and order).
+
+        ``batch_size`` samples per optimizer step (over all replicas); a last batch smaller
+        than the pipeline takes (``num_microbatches × data_parallel_size``) is merged into the
+        one before. ``on_step_end(trainer)`` runs after every optimizer step. Returns the
+        history of the epochs this call ran.
+        """
+        c = self.config
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
+        batch_size = c.batch_size if batch_size is None else batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
+        shuffle = c.shuffle if shuffle is None else shuffle
+        source = make_source(x, y, need_target=True)
+        self._join_world()
+        call, self._calls = self._calls, self._calls + 1
+        self._run = {"batch_size": batch_size, "shuffle": bool(shuffle), "seed": c.seed,
+                     "num_samples": source.num_samples}
+        self._agree("train_dataset", (call, source.num_samples, batch_size, bool(shuffle), epochs))
+        if self.pipeline is None:
+            self._build(source, batch_size)
+        if c.checkpoint_dir is not None and not self._resume_checked:
+            self._resume_checked = True
+            self._resumed = self._resume()
+        start_epoch, start_batch, self._call_start_epoch = self.epoch, 0, self.epoch
+        if self._resumed is not None:
+            if self._resumed["call"] > call:  # a later call wrote the checkpoint: this one had finished
+                return []
+            meta, self._resumed = self._resumed, None
+            for key in ("batch_size", "shuffle", "seed", "num_samples"):
+                if meta.get(key) != self._run[key]:
+                    raise ConfigError(
+                        f"checkpoint {meta['path']} was written by a run with {key}={meta.get(key)!r}, but this "
+                        f"call has {key}={self._run[key]!r}: the data order would differ. Resume with the same "
+                        "data and settings, or point config.checkpoint_dir at a new directory."
+                    )
+            start_batch, self._call_start_epoch = meta["batch"], meta["call_start_epoch"]
+        self._call = call
+        end_epoch = self._call_start_epoch + epochs
+        history = []
+        assert self.pipeline is not None
+        self.pipeline.train()
+        try:
+            for epoch in range(start_epoch, end_epoch):
+                history.append(self._train_epoch(source, epoch, end_epoch, start_batch if epoch == start_epoch else 0,
+                                                 batch_size, bool(shuffle), on_step_end))
+                self.epoch, self._batch_in_epoch = epoch + 1, 0
+                if c.checkpoint_dir is not None and (c.checkpoint_every_steps is None or self._due):
+                    self.save_checkpoint()
+                self._due = False
+        finally:
+            self.reporter.close()
+        if c.checkpoint_dir is not None and self._last_saved_step != self.step:
+            self.save_checkpoint()
+        self.history += history
+        return history
+
+    def _train_epoch(self, source: DataSource, epoch: int, end_epoch: int, first: int, batch_size: int,
+                     shuffle: bool, on_step_end: Callable[["Trainer"], None] | None) -> dict[str, Any]:
+        assert self.pipeline is not None
+        c, pm = self.config, self.pipeline
+        d, r = pm.data_parallel_size, pm.data_parallel_rank
+        batches = source.batches(epoch=epoch, batch_size=batch_size, shuffle=shuffle, seed=c.seed,
+                                 merge_last=True, start=first)
+        self.reporter.start_epoch(epoch, end_epoch, source.num_batches(batch_size, True), first)
+        self._batch_in_epoch = first
+        start, seen, loss_sum = time.perf_counter(), 0, 0.0
+        upcoming = next(batches, None)
+        while upcoming is not None:
+            batch, upcoming = upcoming, next(batches, None)
+            n = int(batch[0][0].shape[0])
+            if n < self._min_batch:
+                raise ConfigError(
+                    f"a batch of {n} samples is too small for {pm.plan.num_microbatches} micro-batches × "
+                    f"{d} replicas: use batches of at least {self._min_batch} samples (batch_size, or the "
+                    "DataLoader's), or set num_microbatches lower"
+                )
+            inputs, target = self._to_device(shard(batch, d, r))
+            pm.zero_grad()
+            loss = float(pm.train_step(inputs, target))
+            if self.optimizer is not None:
+                self.optimizer.step()
+            self.step += 1
+            self._batch_in_epoch += 1
+            seen += n
+            loss_sum += loss * n
+            elapsed = time.perf_counter() - start
+            lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
+            self.reporter.step(step=self.step, epoch=epoch, loss=loss, samples=n,
+                               rate=seen / elapsed if elapsed > 0 else 0.0,
+                               lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None)
+            if upcoming is None:  # the epoch's last step: train_dataset saves after moving to the next epoch
+                self._due = c.checkpoint_every_steps is not None and self.step % c.checkpoint_every_steps == 0
+            elif c.checkpoint_every_steps is not None and self.step % c.checkpoint_every_steps == 0:
+                self.save_checkpoint()
+            if on_step_end is not None:
+                on_step_end(self)
+        seconds = time.perf_counter() - start
+        summary = {"epoch": epoch, "step": self.step, "loss": loss_sum / seen if seen else None,
+                   "samples": seen, "seconds": seconds, "samples_per_s": seen / seconds if seconds > 0 else 0.0}
+        self.reporter.end_epoch(summary, end_epoch)
+        return summary
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoint_dir/step-XXXXXXXX`` now (collective: every rank calls)."""
+        c, pm = self.config, self.pipeline
+        if c.checkpoint_dir is None or pm is None:
+            raise ConfigError("save_checkpoint needs config.checkpoint_dir and a built pipeline (train first)")
+        shard = shard_of(pm, self.optimizer, self._names, self._plain_keys, self.world_size)
+        p = pm.plan
+        meta = {"step": self.step, "epoch": self.epoch, "batch": self._batch_in_epoch, "call": self._call,
+                "call_start_epoch": self._call_start_epoch, **self._run,
+                "layout": {"num_stages": p.num_stages, "num_microbatches": p.num_microbatches,
+                           "schedule": p.schedule, "data_parallel_size": p.data_parallel_size,
+                           "world_size": self.world_size}}
+        path = ckpt.save(c.checkpoint_dir, self.step, shard, meta, keep=c.keep_checkpoints)
+        self._last_saved_step = self.step
+        self.reporter.record("checkpoint", step=self.step, path=str(path))
+        return path
+
+    def _resume(self) -> dict[str, Any] | None:
+        """Load the newest good checkpoint of ``checkpoint_dir`` into this rank's stages, if any."""
+        assert self.pipeline is not None and self.config.checkpoint_dir is not None
+        found = None
+        if self.is_main:
+            path = ckpt.latest(self.config.checkpoint_dir, quarantine=True)
+            found = None if path is None else str(path)
+        if _distributed():
+            box = [found]
+            dist.broadcast_object_list(box, src=0)
+            found = box[0]
+        if found is None:
+            return None
+        try:
+            meta = load_into_pipeline(found, self.pipeline, self.optimizer, self._names, self._plain_keys)
+        except Exception as exc:
+            self._all_ok(f"{type(exc).__name__}: {exc}")
+            raise
+        self._all_ok(None)
+        meta["path"] = found
+        self.step, self.epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch"]
+        self._last_saved_step = self.step
+        self.resumed_from = Path(found)
+        self.reporter.record("resume", path=found, step=self.step, epoch=self.epoch, batch=meta["batch"])
+        self.reporter.say(f"resumed from {found}: step {self.step}, epoch {self.epoch + 1}, "
+                          f"batch {meta['batch']}")
+        return meta
+
+    def _all_ok(self, problem: str | None) -> None:
+        """Raise on every rank if any rank failed, instead of leaving the others to time out."""
+        if not _distributed():
+            return
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, problem)
+        failed = {r: p for r, p in enumerate(everyone) if p is not None}
+        if failed and problem is None:
+            raise ckpt.CheckpointError("resuming failed on other ranks: "
+                                       + "; ".join(f"rank {r}: {p}" for r, p in failed.items()))
+
+    # --- inference -------------------------------------------------------------------------
+    def _outputs(self, source: DataSource, batch_size: int | None,
+                 replica_share: bool) -> Iterator[tuple[Any, Any, int]]:
+        """``(output, target, n)`` per batch, in order; with ``replica_share`` each data-parallel
+        replica takes every ``d``-th batch. Batches under the micro-batch count are padded."""
+        c = self.config
+        batch_size = c.batch_size if batch_size is None else batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
+        if self.pipeline is None:
+            self._build(source, c.batch_size)
+        pm = self.pipeline
+        assert pm is not None
+        d, r = (pm.data_parallel_size, pm.data_parallel_rank) if replica_share else (1, 0)
+        was_training = self.model.training
+        pm.eval()
+        try:
+            with torch.no_grad():
+                batches = source.batches(epoch=0, batch_size=batch_size, shuffle=False, seed=0, merge_last=False)
+                for j, batch in enumerate(batches):
+                    if j % d != r:
+                        continue
+                    inputs, target = self._to_device(batch)
+                    padded, n = pad(inputs, pm.plan.num_microbatches)
+                    yield _take(pm(*padded), n), target, n
+        finally:
+            pm.train(was_training)
+
+    def evaluate(self, x: Any, y: Any = None, metrics: str | Sequence[str] | None = None,
+                 batch_size: int | None = None) -> float | dict[str, float]:
+        """Accuracy for a classification loss (``CrossEntropyLoss``, ``NLLLoss``), else the mean
+        loss; ``metrics=("loss", "accuracy")`` returns a dict of both. Every rank returns the same."""
+        names, as_dict = metric_names(metrics, self.loss)
+        source = make_source(x, y, need_target=True)
+        self._join_world()
+        self._agree("evaluate", (source.num_samples, batch_size, names))
+        totals = torch.zeros(4, dtype=torch.float64)
+        for out, target, n in self._outputs(source, batch_size, replica_share=True):
+            assert self.pipeline is not None
+            if self.pipeline.pipeline_rank == 0:  # every pipeline rank holds the output: count it once
+                totals += torch.tensor(batch_sums(self.loss, names, out, target, n), dtype=torch.float64)
+        if _distributed():
+            work = dist.all_reduce(totals, async_op=True)
+            work.wait(datetime.timedelta(seconds=self.config.timeout_s))
+        loss_sum, samples, correct, counted = totals.tolist()
+        result = {}
+        if "loss" in names:
+            result["loss"] = loss_sum / max(samples, 1.0)
+        if "accuracy" in names:
+            result["accuracy"] = correct / max(counted, 1.0)
+        self.reporter.record("evaluate", step=self.step, samples=int(samples), **result)
+        return result if as_dict else result[names[0]]
+
+    def predict(self, x: Any, batch_size: int | None = None) -> Any:
+        """The model's outputs for every sample of ``x`` (a tensor, tuple, Dataset or DataLoader),
+        concatenated along dim 0; on every rank (each replica computes all of them)."""
+        source = make_source(x, None, need_target=False)
+        self._join_world()
+        self._agree("predict", (source.num_samples, batch_size))
+        outputs = [out for out, _, _ in self._outputs(source, batch_size, replica_share=False)]
+        return microbatch.merge(outputs)
+
+    def __repr__(self) -> str:
+        return (f"Trainer({type(self.model).__name__}, step={self.step}, epoch={self.epoch}, "
+                f"pipeline={self.pipeline!r})")
+
+
+def get_trainer(config: TrainerConfig | None = None, model: torch.nn.Module | None = None,
+                loss: LossFn | None = None,
+                optimizer: torch.optim.Optimizer | OptimizerFactory | None = None) -> Trainer:
+    """A :class:`Trainer` for ``model``. ``optimizer``: one built on ``model.parameters()`` (rebuilt
+    per rank for the parameters it holds, by name, keeping class, defaults and param groups)
+    or a factory ``params -> optimizer``. The pipeline is built on the first batch."""
+    config = default_config() if config is None else config
+    if not isinstance(config, TrainerConfig):
+        raise ConfigError(f"config must be a replica.defaults.TrainerConfig (default_config()), got "
+                          f"{type(config).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"{type(model).__name__} has no parameters: there is nothing to train")
+    if loss is None or not callable(loss):
+        raise ConfigError(f"loss must be callable(output, target) -> scalar (e.g. torch.nn.CrossEntropyLoss()), "
+                          f"got {type(loss).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
+        raise ConfigError(
+            f"optimizer must be a torch.optim.Optimizer on model.parameters() or a factory params -> optimizer, "
+            f"got {type(optimizer).__name__}"
+        )
+    return Trainer(config, model, loss, optimizer)

@@ -1,0 +1,198 @@
+"""Checkpoints in one process: round trip, resuming on another stage count, corrupt ones skipped with a
+warning, atomic writes, the plain model loading them, and everything read with weights_only."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import replica
+from replica.train import checkpoint as ckpt
+from replica.train.checkpoint import CheckpointError, load_into_plain_model
+from replica.train.rng import rng_state, set_rng_state
+from tests.train_cases import (ACROSS_LAYOUTS, DATA, EPOCHS, Stop, assert_same_weights, make_trainer, run,
+                               small_cnn, weights)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict[str, torch.Tensor]:
+    """The reference: the whole run in one go, one stage."""
+    torch.manual_seed(0)
+    trainer = make_trainer(batch_size=32, model_seed=0)
+    trainer.train_dataset(*DATA, epochs=EPOCHS)
+    return weights(trainer.model)
+
+
+def test_round_trip_resumes_exactly(tmp_path: Path, uninterrupted) -> None:
+    run(tmp_path, stop_at=5)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-00000002", "step-00000004"]
+    second = run(tmp_path)  # a fresh model from another seed: everything comes from the checkpoint
+    assert second.resumed_from.name == "step-00000004" and second.step == 9 and second.epoch == EPOCHS
+    assert_same_weights(weights(second.model), uninterrupted)
+
+
+def test_the_checkpoint_is_complete_checksummed_and_keyed_by_name(tmp_path: Path) -> None:
+    trainer = run(tmp_path, stop_at=2)
+    path = tmp_path / "step-00000002"
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"model-00000-of-00001.pt", "optim-00000-of-00001.pt", "rng-00000-of-00001.pt"}
+    assert manifest["step"] == 2 and manifest["num_shards"] == 1
+    assert manifest["trainer"] | {"layout": None} == {
+        "step": 2, "epoch": 0, "batch": 2, "call": 0, "call_start_epoch": 0, "batch_size": 32, "shuffle": True,
+        "seed": 0, "num_samples": 100, "layout": None}
+    assert ckpt.verify(path) is None
+    # the weights file is a plain state_dict of the model, the optimizer state is keyed by parameter name
+    plain = small_cnn()
+    plain.load_state_dict(torch.load(path / "model-00000-of-00001.pt", weights_only=True))
+    assert_same_weights(weights(plain), weights(trainer.model))
+    optim = torch.load(path / "optim-00000-of-00001.pt", weights_only=True)
+    assert set(optim["state"]) == {n for n, _ in trainer.model.named_parameters()}
+    assert optim["param_groups"][0]["lr"] == 1e-2 and "features.0.weight" in optim["param_groups"][0]["params"]
+
+
+def test_load_into_plain_model_takes_a_directory_or_a_step(tmp_path: Path) -> None:
+    trainer = run(tmp_path, num_stages=3, num_microbatches=4)
+    newest = load_into_plain_model(tmp_path, small_cnn())
+    assert_same_weights(weights(newest), weights(trainer.model))
+    older = load_into_plain_model(tmp_path / "step-00000006", small_cnn())
+    assert not torch.equal(older.classifier[-1].weight, newest.classifier[-1].weight)
+    with pytest.raises(CheckpointError, match="does not fit Linear"):
+        load_into_plain_model(tmp_path, torch.nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint in .* \(0 step-XXXXXXXX"):
+        load_into_plain_model(tmp_path / "nothing-here", small_cnn())
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4), (1, 3)])
+def test_resuming_on_another_number_of_stages_continues_identically(tmp_path: Path, uninterrupted,
+                                                                   before: int, after: int) -> None:
+    run(tmp_path, stop_at=5, num_stages=before)
+    resumed = run(tmp_path, num_stages=after)
+    assert resumed.pipeline.plan.num_stages == after and resumed.resumed_from.name == "step-00000004"
+    assert_same_weights(weights(resumed.model), uninterrupted, **ACROSS_LAYOUTS)
+    same_layout = run(tmp_path / "same", num_stages=after, model_seed=0)
+    assert_same_weights(weights(resumed.model), weights(same_layout.model), **ACROSS_LAYOUTS)
+
+
+def _flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("damage", "problem"), [
+    (lambda p: _flip_a_byte(p / "model-00000-of-00001.pt"), "fails its sha256 checksum"),
+    (lambda p: (p / "optim-00000-of-00001.pt").unlink(), "optim-00000-of-00001.pt is missing"),
+    (lambda p: (p / "manifest.json").unlink(), "has no manifest.json"),
+    (lambda p: (p / "manifest.json").write_text("{not json"), "manifest.json is unreadable"),
+    (lambda p: (p / "rng-00000-of-00001.pt").write_bytes(b"short"), "has 5 bytes, the manifest says"),
+])
+def test_a_corrupt_checkpoint_is_skipped_with_a_warning(tmp_path: Path, uninterrupted, damage, problem) -> None:
+    run(tmp_path, stop_at=7)
+    damage(tmp_path / "step-00000006")
+    (tmp_path / ".tmp-step-00000008").mkdir()  # a save that died half-way is never a candidate
+    with pytest.warns(RuntimeWarning, match=f"step-00000006 is corrupt or incomplete: .*{problem}"):
+        resumed = run(tmp_path)
+    assert resumed.resumed_from.name == "step-00000004"
+    assert (tmp_path / "corrupt-step-00000006").is_dir(), "the bad one is kept aside, not deleted"
+    assert_same_weights(weights(resumed.model), uninterrupted)
+    assert not (tmp_path / ".tmp-step-00000008").exists()
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
+    run(tmp_path, checkpoint_every_steps=1, keep_checkpoints=2)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-00000008", "step-00000009"]
+
+
+def test_without_a_step_interval_every_epoch_is_saved(tmp_path: Path) -> None:
+    run(tmp_path, checkpoint_every_steps=None, keep_checkpoints=10)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-00000003", "step-00000006", "step-00000009"]
+    assert ckpt.read_manifest(tmp_path / "step-00000003")["trainer"]["epoch"] == 1  # the next epoch, batch 0
+
+
+def test_a_failed_write_leaves_no_checkpoint_and_raises(tmp_path: Path, monkeypatch) -> None:
+    run(tmp_path, stop_at=3)
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and "param_groups" in obj:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="shard 0 of 1 could not be written .* No space left"):
+        run(tmp_path)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-00000002"]
+    assert ckpt.verify(tmp_path / "step-00000002") is None
+
+
+def test_dropout_resumes_identically_because_rng_states_are_restored(tmp_path: Path) -> None:
+    reference = make_trainer(batch_size=32, dropout=True)
+    reference.train_dataset(*DATA, epochs=2)
+    run(tmp_path, stop_at=3, dropout=True, epochs=2)
+    torch.manual_seed(1234)  # a different global RNG state: the checkpoint's must win
+    resumed = run(tmp_path, dropout=True, epochs=2)
+    assert_same_weights(weights(resumed.model), weights(reference.model))
+
+
+def test_replayed_calls_skip_what_the_checkpoint_shows_finished(tmp_path: Path) -> None:
+    reference = make_trainer(batch_size=32)
+    reference.train_dataset(*DATA, epochs=1)
+    reference.train_dataset(*DATA, epochs=2)
+
+    def script(stop_at: int | None) -> replica.train.Trainer:
+        trainer = make_trainer(batch_size=32, checkpoint_dir=str(tmp_path), checkpoint_every_steps=2,
+                               model_seed=0 if stop_at else 5)
+        first = trainer.train_dataset(*DATA, epochs=1)
+        try:
+            trainer.train_dataset(*DATA, epochs=2, on_step_end=lambda t: t.step == stop_at and (_ for _ in ()).throw(Stop))
+        except Stop:
+            pass
+        trainer.first_call_history = first
+        return trainer
+
+    script(stop_at=7)
+    again = script(stop_at=None)
+    assert again.first_call_history == [], "the first call had finished: the restart skips it"
+    assert again.resumed_from.name == "step-00000006" and again.step == 9
+    assert_same_weights(weights(again.model), weights(reference.model))
+
+
+def test_rng_states_round_trip_through_weights_only(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    want = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == want
+
+
+def test_resuming_with_other_data_settings_is_refused(tmp_path: Path) -> None:
+    run(tmp_path, stop_at=3)
+    with pytest.raises(replica.ConfigError, match="batch_size=32, but this call has batch_size=16"):
+        trainer = make_trainer(checkpoint_dir=str(tmp_path), batch_size=16)
+        trainer.train_dataset(*DATA, epochs=1)
+
+
+def test_files_are_read_with_weights_only(tmp_path: Path) -> None:
+    run(tmp_path, stop_at=3)
+    path = tmp_path / "step-00000002"
+    torch.save({"weights": Path("not a tensor")}, path / "model-00000-of-00001.pt")  # an arbitrary object
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name, info in manifest["files"].items():  # forge the checksums so only weights_only can object
+        info.update(sha256=ckpt._sha256(path / name), bytes=(path / name).stat().st_size)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="cannot be read .*Weights only load failed"):
+        load_into_plain_model(path, small_cnn())
+
+
+def test_resume_from_a_copied_directory(tmp_path: Path, uninterrupted) -> None:
+    run(tmp_path / "a", stop_at=5)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert_same_weights(weights(run(tmp_path / "b").model), uninterrupted)

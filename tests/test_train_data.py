@@ -1,0 +1,88 @@
+"""Trainer batches: a seeded order per epoch, layout-independent boundaries, a partial last batch merged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import replica
+from replica.train.data import epoch_order, make_source, pad, shard
+
+
+def sizes(source, **kw) -> list[int]:
+    args = dict(epoch=0, batch_size=32, shuffle=False, seed=0, merge_last=True) | kw
+    return [int(b[0][0].shape[0]) for b in source.batches(**args)]
+
+
+def test_the_order_depends_on_seed_and_epoch_only() -> None:
+    a = epoch_order(100, epoch=3, seed=7, shuffle=True)
+    assert torch.equal(a, epoch_order(100, epoch=3, seed=7, shuffle=True))
+    assert sorted(a.tolist()) == list(range(100))
+    assert not torch.equal(a, epoch_order(100, epoch=4, seed=7, shuffle=True))
+    assert not torch.equal(a, epoch_order(100, epoch=3, seed=8, shuffle=True))
+    assert torch.equal(epoch_order(5, epoch=3, seed=7, shuffle=False), torch.arange(5))
+
+
+@pytest.mark.parametrize(("n", "merged", "kept"), [
+    (70, [32, 38], [32, 32, 6]),   # a partial last batch joins the one before
+    (64, [32, 32], [32, 32]),      # nothing partial
+    (20, [20], [20]),              # the only batch stays, whatever its size
+])
+def test_a_partial_last_batch_is_merged_for_training(n: int, merged: list[int], kept: list[int]) -> None:
+    source = make_source(torch.randn(n, 3), torch.arange(n), need_target=True)
+    assert sizes(source) == merged
+    assert sizes(source, merge_last=False) == kept
+    assert source.num_batches(32, True) == len(merged)
+
+
+def test_resuming_skips_whole_batches_of_the_same_order() -> None:
+    x = torch.arange(100).float().unsqueeze(1)
+    source = make_source(x, torch.arange(100), need_target=True)
+    args = dict(epoch=2, batch_size=16, shuffle=True, seed=5, merge_last=True)
+    every = list(source.batches(**args))
+    rest = list(source.batches(**args, start=3))
+    assert len(rest) == len(every) - 3
+    for (xa, ya), (xb, yb) in zip(every[3:], rest):
+        assert torch.equal(xa[0], xb[0]) and torch.equal(ya, yb)
+
+
+def test_a_dataset_gives_the_batches_tensors_give() -> None:
+    x, y = torch.randn(50, 4), torch.randint(0, 3, (50,))
+    args = dict(epoch=1, batch_size=8, shuffle=True, seed=0, merge_last=True)
+    for (xa, ya), (xb, yb) in zip(make_source(x, y, need_target=True).batches(**args),
+                                  make_source(TensorDataset(x, y), None, need_target=True).batches(**args)):
+        assert torch.equal(xa[0], xb[0]) and torch.equal(ya, yb)
+
+
+def test_a_loader_keeps_its_order_and_its_short_last_batch_is_merged() -> None:
+    x, y = torch.arange(70).float().unsqueeze(1), torch.arange(70)
+    source = make_source(DataLoader(TensorDataset(x, y), batch_size=32), None, need_target=True)
+    assert sizes(source) == [32, 38]
+    assert sizes(source, merge_last=False) == [32, 32, 6]
+    (xa, _), (xb, yb) = source.batches(epoch=0, batch_size=0, shuffle=True, seed=0, merge_last=True)
+    assert torch.equal(yb, torch.arange(32, 70))
+    assert sizes(source, start=1) == [38]
+
+
+def test_shard_and_pad() -> None:
+    batch = ((torch.arange(10),), torch.arange(10))
+    parts = [shard(batch, 3, i) for i in range(3)]
+    assert [len(p[1]) for p in parts] == [4, 3, 3]
+    assert torch.equal(torch.cat([p[0][0] for p in parts]), torch.arange(10))
+    grown, n = pad((torch.arange(3),), 5)
+    assert n == 3 and grown[0].tolist() == [0, 1, 2, 2, 2]
+    same, n = pad((torch.arange(6),), 5)
+    assert n == 6 and same[0].shape[0] == 6
+
+
+@pytest.mark.parametrize(("x", "y", "says"), [
+    (torch.randn(10, 3), torch.arange(9), "x has 10 samples but y has 9"),
+    (torch.randn(10, 3), None, "y is None"),
+    (TensorDataset(torch.randn(4, 2), torch.arange(4)), torch.arange(4), "pass y=None"),
+    (torch.randn(0, 3), torch.arange(0), "no samples"),
+    (torch.tensor(3.0), torch.arange(1), "samples along dim 0"),
+])
+def test_bad_data_raises_config_error(x, y, says: str) -> None:
+    with pytest.raises(replica.ConfigError, match=says):
+        make_source(x, y, need_target=True)
