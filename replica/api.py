@@ -108,10 +108,13 @@ class _Planner:
                                 (self.devices[0] if self.devices else _default_device(model)))
         self.dtype = _model_dtype(model)
         self.measured = {}
+        self.measured_fraction = 1.0
         if cost == "profile" or (cost == "auto" and real and device is None and num_stages_hint > 1):
             # Time each op on one micro-batch where the model lives: what the stages will run.
             m = min(self.batch, num_microbatches or _default_microbatches(self.batch, num_stages_hint))
-            self.measured = profile(traced.module, microbatch.split(inputs, m, "example_inputs")[0])
+            sample = microbatch.split(inputs, m, "example_inputs")[0]
+            self.measured = profile(traced.module, sample)
+            self.measured_fraction = microbatch.batch_size(sample) / self.batch
         self.memory_budget = memory_budget
         if memory_budget is None and not self.measured:
             self.memory_budget = self.spec.memory_bytes  # planning for accelerators: they must fit
@@ -121,7 +124,8 @@ class _Planner:
         return float("inf") if b is None else float(min(b) if isinstance(b, (list, tuple)) else b)
 
     def partition_for(self, num_stages: int, num_microbatches: int, schedule: str, replicas: int = 1,
-                      num_ranks: int | None = None, batch_fraction: float = 1.0) -> Plan:
+                      num_ranks: int | None = None, batch_fraction: float = 1.0, within_budget: bool = True,
+                      recompute: bool = False) -> Plan:
         m = num_microbatches
         if m > self.batch:
             raise ConfigError(
@@ -136,15 +140,19 @@ class _Planner:
             specs = [self.spec] * num_stages
         by_spec: dict[int, CostModel] = {}
         models = [by_spec.setdefault(id(sp), CostModel(sp, dtype=self.dtype, measured=self.measured,
-                                                       batch_fraction=batch_fraction)) for sp in specs]
+                                                       batch_fraction=batch_fraction,
+                                                       measured_fraction=self.measured_fraction))
+                  for sp in specs]
         schedule_data = make_schedule(schedule, num_stages, m, num_ranks)
-        budget = self.memory_budget
+        budget = self.memory_budget if within_budget else None
         result = partition(self.traced.graph, models, num_stages=num_stages, num_microbatches=m, schedule=schedule,
-                           memory_model=self.memory_model, memory_budget=budget,
+                           memory_model=dataclasses.replace(self.memory_model, recompute=recompute),
+                           memory_budget=budget,
                            in_flight=max_in_flight(schedule_data, num_stages))
         timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]))
         return dataclasses.replace(
             result, data_parallel_size=replicas, predicted_step_time_s=timeline.step_time_s,
+            simulated_bubble=timeline.bubble_fraction,
             model_flops=3 * self.traced.graph.total_flops * batch_fraction * replicas,
             device_peak_flops=self.spec.datasheet_flops or self.spec.peak(self.dtype),
         )
@@ -168,6 +176,7 @@ def plan(
     memory_budget: float | Sequence[float] | None = None,
     optimizer: str = "adam",
     mixed_precision: bool = False,
+    recompute: bool | None = None,
 ) -> Plan:
     """Plan only: trace ``model`` (meta tensors welcome), price it on ``device`` and cut it.
 
@@ -179,7 +188,8 @@ def plan(
     are real and no other ``device`` is named. ``memory_budget`` (bytes per device, or
     one per stage; default the device's memory when planning analytically) bounds
     weights + gradients + ``optimizer`` state (+ fp32 master weights with
-    ``mixed_precision``) + in-flight activations of every stage.
+    ``mixed_precision``) + in-flight activations of every stage; ``recompute`` keeps only
+    stage inputs and recomputes activations in backward (None: the tuner decides, else off).
     """
     _check_count("world_size", world_size)
     _check_count("num_stages", num_stages)
@@ -195,16 +205,18 @@ def plan(
         _layout(schedule, num_stages, None, world_size)  # num_stages must fit the world
     if world_size is not None and _wants_tuning(num_stages, num_microbatches, schedule):
         return _tuned(planner, world_size, global_batch=True, num_stages=num_stages,
-                      num_microbatches=num_microbatches, schedule=schedule, data_parallel_size=None)
+                      num_microbatches=num_microbatches, schedule=schedule, data_parallel_size=None,
+                      recompute=recompute)
     name = "1f1b" if schedule == "auto" else schedule
     stages, ranks, replicas = num_stages or stages_per_rank(name), None, 1
     if world_size is not None:
         stages, ranks, replicas = _layout(name, num_stages, None, world_size)
-    return _fixed(planner, stages, ranks, replicas, num_microbatches, name, global_batch=True)
+    return _fixed(planner, stages, ranks, replicas, num_microbatches, name, global_batch=True,
+                  recompute=bool(recompute))
 
 
 def _fixed(planner: _Planner, stages: int, ranks: int | None, replicas: int, num_microbatches: int | None,
-           schedule: str, *, global_batch: bool) -> Plan:
+           schedule: str, *, global_batch: bool, recompute: bool = False) -> Plan:
     """The plan of one given configuration."""
     share = planner.batch // replicas if global_batch else planner.batch
     if global_batch and planner.batch % replicas:
@@ -216,22 +228,24 @@ def _fixed(planner: _Planner, stages: int, ranks: int | None, replicas: int, num
             f"sample. Use num_microbatches <= {share}, or a larger batch."
         )
     return planner.partition_for(stages, m, schedule, replicas, num_ranks=ranks,
-                                 batch_fraction=1 / replicas if global_batch else 1.0)
+                                 batch_fraction=1 / replicas if global_batch else 1.0, recompute=recompute)
 
 
 def _tuned(planner: _Planner, world_size: int, *, global_batch: bool, num_stages: int | None,
-           num_microbatches: int | None, schedule: str, data_parallel_size: int | None) -> Plan:
+           num_microbatches: int | None, schedule: str, data_parallel_size: int | None,
+           recompute: bool | None = None) -> Plan:
     """The fastest configuration of ``world_size`` devices that fits, by simulation."""
     schedules = SCHEDULE_CHOICES if schedule == "auto" else (schedule,)
 
-    def partition_for(stages: int, m: int, name: str, replicas: int) -> Plan:
+    def partition_for(stages: int, m: int, name: str, replicas: int, within_budget: bool, again: bool) -> Plan:
         return planner.partition_for(stages, m, name, replicas, num_ranks=stages // stages_per_rank(name),
-                                     batch_fraction=1 / replicas if global_batch else 1.0)
+                                     batch_fraction=1 / replicas if global_batch else 1.0,
+                                     within_budget=within_budget, recompute=again)
 
     best, _ = tune(partition_for, world_size=world_size, batch=planner.batch, num_ops=len(planner.traced.graph.op_nodes),
                    device=planner.spec, memory_budget=planner.budget_per_device(), num_stages=num_stages,
                    num_microbatches=num_microbatches, schedules=schedules, data_parallel_size=data_parallel_size,
-                   global_batch=global_batch)
+                   global_batch=global_batch, recompute=(False, True) if recompute is None else (recompute,))
     return best
 
 
@@ -320,6 +334,7 @@ def auto_parallel(
     plan: Plan | None = None,
     cost: str = "auto",
     memory_budget: float | Sequence[float] | None = None,
+    recompute: bool | None = None,
     timeout_s: float = 300.0,
 ) -> "PipelineModel":
     """Trace, price, partition and split ``model`` into a pipeline.
@@ -334,7 +349,7 @@ def auto_parallel(
     losses, or ``"sum"``); the pipeline weighs micro-batches so the gradient equals
     the whole batch's. ``plan`` reuses a plan (e.g. ``Plan.from_json``) instead of
     solving again; ``schedule`` defaults to ``"1f1b"`` (or the plan's). ``cost`` is as for
-    :func:`plan`, and so is ``memory_budget``. ``timeout_s`` bounds every wait on
+    :func:`plan`, and so are ``memory_budget`` and ``recompute``. ``timeout_s`` bounds every wait on
     another rank.
     """
     if not isinstance(model, torch.nn.Module):
@@ -376,10 +391,11 @@ def auto_parallel(
         if world > 1 and _wants_tuning(num_stages, num_microbatches, schedule):
             plan = _tuned(planner, world, global_batch=False, num_stages=num_stages,
                           num_microbatches=num_microbatches, schedule=schedule,
-                          data_parallel_size=data_parallel_size)
+                          data_parallel_size=data_parallel_size, recompute=recompute)
         elif world == 1 and schedule == "auto":
             plan = _tuned(planner, num_stages or 1, global_batch=False, num_stages=num_stages,
-                          num_microbatches=num_microbatches, schedule=schedule, data_parallel_size=1)
+                          num_microbatches=num_microbatches, schedule=schedule, data_parallel_size=1,
+                          recompute=recompute)
         else:
             name = "1f1b" if schedule == "auto" else schedule
             if world > 1:
@@ -387,7 +403,8 @@ def auto_parallel(
             else:
                 stages = num_stages or stages_per_rank(name)
                 ranks, replicas = max(1, stages // stages_per_rank(name)), 1
-            plan = _fixed(planner, stages, ranks, replicas, num_microbatches, name, global_batch=False)
+            plan = _fixed(planner, stages, ranks, replicas, num_microbatches, name, global_batch=False,
+                          recompute=bool(recompute))
     elif plan is not None and world > 1:
         _layout(plan.schedule, plan.num_stages, plan.data_parallel_size, world)  # the plan must fit this world
     try:
@@ -438,13 +455,13 @@ class PipelineModel:
             boundary = [b.name for s in plan.stages for b in s.outputs]
             oracle = ShapeOracle(traced.module, boundary, device)
             self.runtime = DistributedRuntime(self.all_stages, self.schedule, plan, topology, oracle,
-                                              timeout_s=timeout_s, device=device)
+                                              timeout_s=timeout_s, device=device, recompute=plan.recompute)
             self.stages = [s for s in self.all_stages if s.stage_index in self.runtime.stages]
             self.pipeline_rank = topology.pipeline_rank
             self.data_parallel_rank = topology.data_parallel_rank
             self._release_remote_weights()
         else:
-            self.runtime = LocalRuntime(self.all_stages, self.schedule)
+            self.runtime = LocalRuntime(self.all_stages, self.schedule, recompute=plan.recompute)
             self.stages = self.all_stages
             self.pipeline_rank = 0
             self.data_parallel_rank = 0

@@ -37,23 +37,33 @@ class Candidate:
     step_time_s: float
     peak_memory_bytes: int
     fits: bool
+    recompute: bool = False
+    bubble: float = -1.0
 
     def describe(self) -> str:
         return (f"{self.num_pipeline_ranks} pipeline x {self.data_parallel_size} data, {self.num_stages} stages, "
-                f"{self.schedule}, {self.num_microbatches} micro-batches")
+                f"{self.schedule}, {self.num_microbatches} micro-batches"
+                f"{', recompute' if self.recompute else ''}")
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _microbatch_choices(batch: int, ranks: int, given: int | None) -> list[int]:
+MAX_SIMULATED_ACTIONS = 60_000
+MAX_PIPELINE_RANKS = 128
+
+
+def _microbatch_choices(batch: int, ranks: int, given: int | None, stages: int) -> list[int]:
+    """A few micro-batch counts around the pipeline depth (the bubble shrinks as m grows,
+    the per-call overhead grows), small enough to simulate quickly."""
     if given is not None:
         return [given] if given <= batch else []
     if ranks == 1:
         return [1]
     wanted = {ranks, 2 * ranks, 4 * ranks, 8 * ranks, batch}
-    return sorted(m for m in wanted if 1 <= m <= batch)
+    cap = max(ranks, MAX_SIMULATED_ACTIONS // (3 * stages))
+    return sorted(m for m in wanted if 1 <= m <= min(batch, cap))
 
 
 def _allreduce_s(stage_bytes: float, replicas: int, ranks: int, device: DeviceSpec) -> float:
@@ -70,7 +80,7 @@ def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, m: int,
     """Price ``plan``'s stages (one replica's batch) for ``m`` micro-batches under
     ``schedule_name``, by simulation; memory per rank from the schedule's own in-flight counts."""
     try:
-        schedule = make_schedule(schedule_name, plan.num_stages, m, ranks)
+        schedule = make_schedule(schedule_name, plan.num_stages, m, ranks, check=False)
     except ScheduleError:
         return None
     flights = max_in_flight(schedule, plan.num_stages)
@@ -81,28 +91,33 @@ def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, m: int,
     grads = [0.0] * ranks
     for s in plan.stages:
         k = s.stage_index
-        backward = s.backward_time_s / m
+        # each op pays a launch cost per call; the rest of the work splits over the micro-batches
+        fixed = s.num_ops * device.op_overhead_s
+        forward = max(0.0, s.forward_time_s - plan.num_microbatches * fixed) / m + fixed
+        backward = max(0.0, s.backward_time_s - 2 * plan.num_microbatches * fixed) / m + 2 * fixed
         remote = k + 1 < plan.num_stages and where[k + 1] != where[k]
         sends = sum(b.nbytes for b in s.outputs) / m
         static = s.memory.parameters + s.memory.gradients + s.memory.optimizer
         costs.append(StageCosts(
-            forward_s=s.forward_time_s / m,
+            forward_s=forward,
             backward_s=backward / 2 if split else backward,
             weight_s=backward / 2 if split else 0.0,
             send_s=(sends / device.link_bandwidth + device.link_latency_s) if remote else 0.0,
             activation_bytes=int(s.activation_bytes / m),
             static_bytes=static,
         ))
-        memory[where[k]] += static + s.activation_bytes / m * flights[k] + sum(b.nbytes for b in s.inputs)
+        held = 1 if plan.recompute else flights[k]
+        memory[where[k]] += static + s.activation_bytes / m * held + sum(b.nbytes for b in s.inputs)
         grads[where[k]] += s.memory.gradients
     allreduce = [_allreduce_s(g, replicas, ranks, device) for g in grads]
     timeline = simulate(schedule, costs, allreduce_s=allreduce)
     peak = int(max(memory))
-    return Candidate(ranks, replicas, plan.num_stages, m, schedule_name, timeline.step_time_s, peak, peak <= budget)
+    return Candidate(ranks, replicas, plan.num_stages, m, schedule_name, timeline.step_time_s, peak, peak <= budget,
+                     plan.recompute, timeline.bubble_fraction)
 
 
 def tune(
-    partition_for: Callable[[int, int, str, int], Plan],
+    partition_for: Callable[[int, int, str, int, bool, bool], Plan],
     *,
     world_size: int,
     batch: int,
@@ -114,18 +129,22 @@ def tune(
     schedules: Sequence[str] = SCHEDULE_CHOICES,
     data_parallel_size: int | None = None,
     global_batch: bool = True,
+    recompute: Sequence[bool] = (False, True),
 ) -> tuple[Plan, list[Candidate]]:
     """Search the configurations of ``world_size`` devices for the fastest that fits.
 
-    ``partition_for(num_stages, num_microbatches, schedule, replicas)`` makes a plan for
-    one replica's share of the global ``batch``. Returns the best plan (with
+    ``partition_for(num_stages, num_microbatches, schedule, replicas, within_budget,
+    recompute)`` makes a plan for one replica's share of the global ``batch``; both
+    settings of activation ``recompute`` given are tried. Returns the best plan (with
     ``predicted_step_time_s``, ``data_parallel_size`` and the alternatives filled in) and
     every candidate, best first. Raises ``PartitionError`` naming the world that would fit.
     With ``global_batch=False`` the batch is each replica's own (as under torchrun).
     """
     candidates: list[Candidate] = []
-    plans: dict[tuple[int, int], Plan | None] = {}
+    plans: dict[tuple[int, int, bool], Plan | None] = {}
     for ranks in _divisors(world_size):
+        if ranks > MAX_PIPELINE_RANKS and num_stages is None:
+            continue  # deeper pipelines than this never pay for their bubble and hand-offs
         replicas = world_size // ranks
         if data_parallel_size is not None and replicas != data_parallel_size:
             continue
@@ -136,21 +155,23 @@ def tune(
             stages = ranks * stages_per_rank(name)
             if (ranks == 1 and stages > 1) or stages > num_ops or (num_stages is not None and stages != num_stages):
                 continue
-            if (stages, replicas) not in plans:
-                try:
-                    plans[(stages, replicas)] = partition_for(stages, min(per_replica, 4 * ranks), "1f1b",
-                                                              replicas)
-                except PartitionError:
-                    plans[(stages, replicas)] = None
-            plan = plans[(stages, replicas)]
-            if plan is None:
-                continue
-            for m in _microbatch_choices(per_replica, ranks, num_microbatches):
-                if name in INTERLEAVED and m % ranks:
+            for again in recompute:
+                key = (stages, replicas, again)
+                if key not in plans:
+                    try:  # memory is checked per schedule below, so this cut ignores the budget
+                        plans[key] = partition_for(stages, min(per_replica, 4 * ranks), "1f1b", replicas, False,
+                                                   again)
+                    except PartitionError:
+                        plans[key] = None
+                plan = plans[key]
+                if plan is None:
                     continue
-                found = _evaluate(plan, name, ranks, replicas, m, device, memory_budget)
-                if found is not None:
-                    candidates.append(found)
+                for m in _microbatch_choices(per_replica, ranks, num_microbatches, stages):
+                    if name in INTERLEAVED and m % ranks:
+                        continue
+                    found = _evaluate(plan, name, ranks, replicas, m, device, memory_budget)
+                    if found is not None:
+                        candidates.append(found)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_time_s)
     if not candidates:
         raise PartitionError(
@@ -163,13 +184,15 @@ def tune(
     if not fitting:
         raise _no_fit(candidates, world_size, memory_budget)
     best = fitting[0]
-    final = partition_for(best.num_stages, best.num_microbatches, best.schedule, best.data_parallel_size)
+    final = partition_for(best.num_stages, best.num_microbatches, best.schedule, best.data_parallel_size, True,
+                          best.recompute)
     again = _evaluate(final, best.schedule, best.num_pipeline_ranks, best.data_parallel_size,
                       best.num_microbatches, device, memory_budget)
     step = again.step_time_s if again is not None else best.step_time_s
     alternatives = tuple((c.describe(), c.step_time_s) for c in fitting[1:6])
     plan = dataclasses.replace(final, data_parallel_size=best.data_parallel_size, predicted_step_time_s=step,
-                               alternatives=alternatives)
+                               alternatives=alternatives,
+                               simulated_bubble=again.bubble if again is not None else final.simulated_bubble)
     return plan, fitting + sorted((c for c in candidates if not c.fits), key=lambda c: c.step_time_s)
 
 

@@ -114,3 +114,22 @@ def test_state_dict_loads_into_plain_model():
     plain.load_state_dict(pm.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(plain(*inputs), model(*inputs))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_recompute_is_transparent(schedule):
+    model, inputs, target, loss_fn = models.tiny_gpt(8, size_ops=True)
+    ref, ref_loss = reference(model, inputs, target, loss_fn)
+    pm = replica.auto_parallel(model, inputs, num_stages=3, num_microbatches=4, schedule=schedule,
+                               loss_fn=loss_fn, device=COMPUTE_BOUND, recompute=True)
+    assert pm.plan.recompute
+    torch.testing.assert_close(pm.train_step(inputs, target), ref_loss)
+    assert_same_grads(pm, ref)
+
+
+def test_recompute_plans_hold_fewer_activations():
+    model, inputs, _, _ = models.tiny_gpt(8)
+    kept = replica.plan(model, inputs, num_stages=3, num_microbatches=8, device=COMPUTE_BOUND)
+    again = replica.plan(model, inputs, num_stages=3, num_microbatches=8, device=COMPUTE_BOUND, recompute=True)
+    assert again.stages[0].memory.activations < kept.stages[0].memory.activations
+    assert again.stages[0].backward_time_s > kept.stages[0].backward_time_s

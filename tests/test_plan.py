@@ -149,7 +149,8 @@ def test_predicted_step_time(plan):
 
 
 def test_bubble_fraction(plan):
-    assert plan.bubble_fraction == pytest.approx(2 / (8 + 2))
+    # simulated: the 1F1B formula for these nearly even stages, plus the waits on transfers
+    assert plan.bubble_fraction == pytest.approx(2 / (8 + 2), abs=0.05)
 
 
 def test_stage_time_is_the_sum_of_its_parts(plan):

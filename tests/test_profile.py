@@ -34,9 +34,16 @@ def test_measured_times_replace_the_analytic_ones():
     model, inputs, _, _ = models.mlp(4)
     traced = trace(model, inputs)
     node = traced.graph.op_nodes[0]
-    cost = CostModel(device_spec("a100-80gb"), measured={node.name: OpTimes(0.5, 1.25)})
-    assert cost.forward_time(node, num_calls=4) == 2.0
-    assert cost.backward_time(node, num_calls=4) == 5.0
+    # timed on a quarter of the batch: four calls cost four times the work (plus nothing fixed)
+    spec = replica.DeviceSpec(name="t", flops=1e12, half_flops=1e12, memory_bandwidth=1e12, memory_bytes=1e12,
+                              link_bandwidth=1e9, link_latency_s=0.0, op_overhead_s=0.0)
+    cost = CostModel(spec, measured={node.name: OpTimes(0.5, 1.25)}, measured_fraction=0.25)
+    assert cost.forward_time(node, num_calls=4) == pytest.approx(2.0)
+    assert cost.backward_time(node, num_calls=4) == pytest.approx(5.0)
+    # a launch cost is paid per call; the work splits over however many calls
+    launch = CostModel(device_spec("a100-80gb"), measured={node.name: OpTimes(0.5, 1.25)}, measured_fraction=0.25)
+    overhead = device_spec("a100-80gb").op_overhead_s
+    assert launch.forward_time(node, num_calls=8) == pytest.approx(8 * overhead + (0.5 - overhead) * 4)
 
 
 def test_auto_profiles_real_models_on_their_own_device():

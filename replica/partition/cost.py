@@ -162,8 +162,9 @@ class CostModel:
     Analytic: time = FLOPs / FLOP/s + bytes / bandwidth + launch overhead per call, and
     backward = ``backward_factor`` × forward (2: one matmul for the input, one for the
     weight). Ops found in ``measured`` (per micro-batch call, from :func:`profile`) use
-    their measured times instead. ``batch_fraction`` prices a share of the traced batch
-    (one data-parallel replica's, when the graph was traced at the global batch).
+    their measured times instead (timed on ``measured_fraction`` of the traced batch).
+    ``batch_fraction`` prices a share of the traced batch (one data-parallel replica's,
+    when the graph was traced at the global batch).
     """
 
     device: DeviceSpec
@@ -171,6 +172,7 @@ class CostModel:
     backward_factor: float = 2.0
     measured: Mapping[str, OpTimes] = field(default_factory=dict)
     batch_fraction: float = 1.0
+    measured_fraction: float = 1.0
 
     def scaled(self, nbytes: float) -> float:
         """Bytes of a tensor traced at the full batch, for the share of it this model prices."""
@@ -187,14 +189,20 @@ class CostModel:
         if node.kind != "op":
             return 0.0
         if node.name in self.measured:
-            return self.measured[node.name].forward_s * num_calls * self.batch_fraction
+            return self._from_measured(self.measured[node.name].forward_s, num_calls)
         return self._analytic(node, num_calls)
+
+    def _from_measured(self, seconds: float, num_calls: int) -> float:
+        """A call timed on ``measured_fraction`` of the traced batch: a fixed launch cost per
+        call plus work in proportion to the samples."""
+        fixed = min(seconds, self.device.op_overhead_s)
+        return num_calls * fixed + (seconds - fixed) / self.measured_fraction * self.batch_fraction
 
     def backward_time(self, node: Node, num_calls: int = 1) -> float:
         if node.kind != "op":
             return 0.0
         if node.name in self.measured:
-            return self.measured[node.name].backward_s * num_calls * self.batch_fraction
+            return self._from_measured(self.measured[node.name].backward_s, num_calls)
         return self.backward_factor * self._analytic(node, num_calls)
 
     def transfer_time(self, nbytes: float, num_messages: int = 1) -> float:

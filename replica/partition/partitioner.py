@@ -37,10 +37,13 @@ _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "adagra
 class MemoryModel:
     """What training keeps per parameter: the weight, its gradient (same dtype), the
     optimizer's fp32 states (Adam: two moments) and, with ``mixed_precision``, an fp32
-    master copy of every half-precision weight."""
+    master copy of every half-precision weight. With ``recompute`` a stage keeps only
+    its inputs for the micro-batches in flight and recomputes its forward in backward
+    (one micro-batch's activations at a time, one more forward's time)."""
 
     optimizer: str = "adam"
     mixed_precision: bool = False
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in _OPTIMIZER_STATES:
@@ -180,7 +183,8 @@ def partition(
         if key not in transfers_by_model:
             items = np.zeros(num_seg)
             for i, n in enumerate(nodes):
-                items[seg_of[i]] += cm.forward_time(n, m) + cm.backward_time(n, m)
+                items[seg_of[i]] += (2 if memory_model.recompute else 1) * cm.forward_time(n, m) \
+                    + cm.backward_time(n, m)
             transfers = []
             for i, n in enumerate(nodes):
                 readers = tuple(sorted({int(seg_of[index[u]]) for u in n.users} - {int(seg_of[i])}))
@@ -199,7 +203,9 @@ def partition(
                                                 models[0].batch_fraction)
 
     def memory_matrix(k: int) -> np.ndarray:
-        return static + activation * flights[k] + recv
+        # received inputs stay alive for in-flight micro-batches either way (the buffers are
+        # posted up front); recomputing keeps one micro-batch's activations at a time
+        return static + activation * (1 if memory_model.recompute else flights[k]) + recv
 
     def stage_cost(k: int) -> np.ndarray:
         c = time_matrix(k)
@@ -210,13 +216,13 @@ def partition(
     try:
         result = solve(stage_cost, num_stages)
     except ValueError:
-        raise _infeasible(graph, num_stages, budgets, (static, activation, recv), schedule, m, num_seg) from None
+        raise _infeasible(graph, num_stages, budgets, (static, activation, recv), schedule, m, num_seg,
+                          memory_model.recompute) from None
 
     bounds = [edges[b] for b in result.bounds]
-    lower_bound = max(
-        sum(models[0].forward_time(n, m) + models[0].backward_time(n, m) for n in nodes) / num_stages,
-        max(models[0].forward_time(n, m) + models[0].backward_time(n, m) for n in nodes),
-    ) if len({id(x) for x in models}) == 1 else 0.0
+    again = 2 if memory_model.recompute else 1
+    work = [again * models[0].forward_time(n, m) + models[0].backward_time(n, m) for n in nodes]
+    lower_bound = max(sum(work) / num_stages, max(work)) if len({id(x) for x in models}) == 1 else 0.0
     return _describe(graph, models, bounds, result.bottleneck, m, schedule, flights, memory_model, latency,
                      exact, lower_bound)
 
@@ -284,14 +290,15 @@ def _memory_matrices(
 
 def _infeasible(graph: Graph, num_stages: int, budgets: list[float],
                 memory: tuple[np.ndarray, np.ndarray, np.ndarray], schedule: str, m: int,
-                num_seg: int) -> PartitionError:
+                num_seg: int, recompute: bool) -> PartitionError:
     """How much memory the best partition needs, and how many stages would fit."""
     static, activation, recv = memory
     lower = np.tril_indices(num_seg + 1)
 
     def need(k: int) -> float:
         def matrix(s: int) -> np.ndarray:
-            mm = static + activation * in_flight_microbatches(schedule, s, k, m) + recv
+            held = 1 if recompute else in_flight_microbatches(schedule, s, k, m)
+            mm = static + activation * held + recv
             mm[lower] = INF
             return mm
         return solve(matrix, k).bottleneck
@@ -305,7 +312,7 @@ def _infeasible(graph: Graph, num_stages: int, budgets: list[float],
         f"{graph.model_name or 'the model'} does not fit in {num_stages} stages of {budget / 2**30:.2f} GiB: the "
         f"best partition needs {need(num_stages) / 2**30:.2f} GiB on its fullest stage (weights, gradients, "
         f"optimizer state and in-flight activations); {hint}. Use more stages (or ranks), fewer micro-batches "
-        "in flight (schedule='1f1b'), a lighter optimizer, or a larger memory_budget."
+        "in flight (schedule='1f1b'), recompute=True, a lighter optimizer, or a larger memory_budget."
     )
 
 
@@ -344,7 +351,7 @@ def _describe(
         saved = int(cm.scaled(sum(n.output_bytes for n in members if _saves_activation(n))))
         received = sum(b.nbytes for b in incoming[k])
         fwd = sum(cm.forward_time(n, m) for n in members)
-        bwd = sum(cm.backward_time(n, m) for n in members)
+        bwd = sum(cm.backward_time(n, m) for n in members) + (fwd if memory_model.recompute else 0.0)
         comm = sum(
             (2 if b.dtype is not None and TensorInfo((), b.dtype).is_floating else 1)
             * cm.transfer_time(b.nbytes, num_messages=0)
@@ -361,7 +368,7 @@ def _describe(
                 parameters=weight_bytes + buffer_bytes,
                 gradients=weight_bytes,
                 optimizer=memory_model.optimizer_bytes(numel),
-                activations=int(saved * flights[k] / m + received),
+                activations=int(saved * (1 if memory_model.recompute else flights[k]) / m + received),
             ),
             inputs=tuple(incoming[k]),
             outputs=tuple(outgoing[k]),
@@ -377,5 +384,5 @@ def _describe(
         model_name=graph.model_name, num_stages=num_stages, num_microbatches=m, schedule=schedule,
         device=devices[0] if len(devices) == 1 else "+".join(devices), stages=tuple(stages),
         predicted_step_time_s=step, tied_parameters=tied, graph_fingerprint=fingerprint(graph),
-        exact=exact, lower_bound_s=lower_bound,
+        exact=exact, lower_bound_s=lower_bound, recompute=memory_model.recompute,
     )

@@ -92,6 +92,8 @@ class Plan:
     alternatives: tuple[tuple[str, float], ...] = ()
     model_flops: float = 0.0
     device_peak_flops: float = 0.0
+    recompute: bool = False
+    simulated_bubble: float = -1.0
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -114,6 +116,10 @@ class Plan:
 
     @property
     def bubble_fraction(self) -> float:
+        """Idle share of the ranks' time in the simulated schedule (the 1F1B formula
+        (p-1)/(m+p-1) for plans made without a simulation)."""
+        if self.simulated_bubble >= 0:
+            return self.simulated_bubble
         p, m = self.num_stages, self.num_microbatches
         return (p - 1) / (m + p - 1)
 
@@ -171,7 +177,8 @@ class Plan:
 
         table = Table(title=(
             f"{self.model_name}: {self.num_stages} stages × {self.data_parallel_size} replicas, "
-            f"{self.num_microbatches} micro-batches, {self.schedule}, on {self.device}"
+            f"{self.num_microbatches} micro-batches, {self.schedule}"
+            f"{', recomputing activations' if self.recompute else ''}, on {self.device}"
         ), title_justify="left")
         for col in ("stage", "ops", "params", "modules", "fwd+bwd", "comm", "memory", "sends"):
             table.add_column(col, justify="left" if col in ("modules", "sends") else "right")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from replica.errors import PipelineError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
-from replica.pipeline.local import StepResult
+from replica.pipeline.local import StepResult, run_stage
 from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule, placement, splits_backward
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
 from replica.pipeline.weightgrad import WeightGrads, collecting
@@ -84,8 +84,10 @@ class DistributedRuntime:
         *,
         timeout_s: float,
         device: torch.device,
+        recompute: bool = False,
     ) -> None:
         self.topology = topology
+        self.recompute = recompute
         self.plan = plan
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
@@ -232,7 +234,7 @@ class DistributedRuntime:
                     value = self._received(step, (name, stage.stage_index, i, FWD), action, src)
                 values.append(value.detach().requires_grad_(train and m.requires_grad))
             args = tuple(values)
-        out = stage.module(*args)
+        out = run_stage(stage, args, self.recompute and train)
         if not stage.is_last:
             for name, readers, value in zip(stage.output_names, stage.output_destinations, out):
                 if not isinstance(value, torch.Tensor):

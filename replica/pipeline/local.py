@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 from replica.errors import PipelineError
 from replica.partition.split import StageModule
@@ -37,11 +38,20 @@ def _as_leaf(value: Any) -> Any:
     return value
 
 
+def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool) -> Any:
+    """A stage's forward; with ``recompute`` only its inputs are kept and the forward runs
+    again inside backward (``torch.utils.checkpoint``, RNG state preserved)."""
+    if recompute and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
+    return stage.module(*args)
+
+
 class LocalRuntime:
     """Executes a schedule's actions over ``stages`` (all in this process)."""
 
-    def __init__(self, stages: Sequence[StageModule], schedule: Schedule) -> None:
+    def __init__(self, stages: Sequence[StageModule], schedule: Schedule, *, recompute: bool = False) -> None:
         self.stages = list(stages)
+        self.recompute = recompute
         self.schedule = schedule
         self.order: list[Action] = execution_order(schedule, len(self.stages))
         self.split_backward = splits_backward(schedule)
@@ -86,7 +96,7 @@ class LocalRuntime:
                     args = microbatches[i]
                 else:
                     args = tuple(_as_leaf(values[i][n]) for n in stage.input_names)
-                out = stage.module(*args)
+                out = run_stage(stage, args, self.recompute)
                 received[key] = args
                 if stage.is_last:
                     loss = loss_fn(out, targets[i])

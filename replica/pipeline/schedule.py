@@ -9,6 +9,8 @@ imports torch.
 
 from __future__ import annotations
 
+import collections
+import heapq
 import re
 from typing import Callable, NamedTuple, Sequence
 
@@ -147,53 +149,57 @@ def list_schedule(
     num_stages = len(stage_ranks)
     num_ranks = max(stage_ranks) + 1
     mine = [[s for s in range(num_stages) if stage_ranks[s] == r] for r in range(num_ranks)]
-    done: set[Action] = set()
-    next_f = {s: 0 for s in range(num_stages)}
+    deepest_first = [sorted(stages, reverse=True) for stages in mine]
+    forwarded: set[tuple[int, int]] = set()
+    backwarded: set[tuple[int, int]] = set()
+    next_f = [0] * num_stages
     held = [0] * num_ranks  # micro-batches with activations alive on the rank's first stage
-    pending_b: list[set[Action]] = [set() for _ in range(num_ranks)]
-    pending_w: list[list[Action]] = [[] for _ in range(num_ranks)]
+    ready_b: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]  # heaps of (i, -s)
+    pending_w: list[collections.deque[Action]] = [collections.deque() for _ in range(num_ranks)]
     schedule: Schedule = [[] for _ in range(num_ranks)]
-    total = num_stages * num_microbatches * (3 if split_backward else 2)
-    while sum(map(len, schedule)) < total:
+    remaining = num_stages * num_microbatches * (3 if split_backward else 2)
+    while remaining:
         finished = []
         for r in range(num_ranks):
-            ready_b = sorted((a for a in pending_b[r]
-                              if a.stage_index == num_stages - 1
-                              or Action(a.stage_index + 1, BACKWARD, a.microbatch_index) in done),
-                             key=lambda a: (a.microbatch_index, -a.stage_index))
-            choice: Action | None = ready_b[0] if ready_b else None
-            if choice is None:
-                for s in sorted(mine[r], reverse=True):
+            choice: Action | None = None
+            if ready_b[r]:
+                i, neg = heapq.heappop(ready_b[r])
+                choice = Action(-neg, BACKWARD, i)
+            else:
+                for s in deepest_first[r]:
                     i = next_f[s]
-                    if i >= num_microbatches or (s > 0 and Action(s - 1, FORWARD, i) not in done):
+                    if i >= num_microbatches or (s > 0 and (s - 1, i) not in forwarded):
                         continue
                     if s == mine[r][0] and held[r] >= admit[r]:
                         continue
                     choice = Action(s, FORWARD, i)
                     break
             if choice is None and pending_w[r]:
-                choice = pending_w[r][0]
+                choice = pending_w[r].popleft()
             if choice is None:
                 continue
             schedule[r].append(choice)
             finished.append((r, choice))
         if not finished:
             raise ScheduleError("list scheduling stalled: the admission limits are too small")
-        for r, a in finished:
-            done.add(a)
+        remaining -= len(finished)
+        for r, a in finished:  # what finished this tick becomes ready for the next
             s, kind, i = a
             if kind == FORWARD:
+                forwarded.add((s, i))
                 next_f[s] += 1
-                pending_b[r].add(Action(s, BACKWARD, i))
                 held[r] += s == mine[r][0]
+                if s == num_stages - 1:
+                    heapq.heappush(ready_b[r], (i, -s))
             elif kind == BACKWARD:
-                pending_b[r].discard(a)
+                backwarded.add((s, i))
+                if s > 0:
+                    heapq.heappush(ready_b[stage_ranks[s - 1]], (i, -(s - 1)))
                 if split_backward:
                     pending_w[r].append(Action(s, WEIGHT, i))
                 elif s == mine[r][0]:
                     held[r] -= 1
             else:
-                pending_w[r].remove(a)
                 held[r] -= s == mine[r][0]
     return schedule
 
@@ -247,7 +253,9 @@ def splits_backward(schedule: Sequence[Sequence[Action]]) -> bool:
     return any(a.kind == WEIGHT for actions in schedule for a in actions)
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int, num_ranks: int | None = None) -> Schedule:
+def make_schedule(
+    name: str, num_stages: int, num_microbatches: int, num_ranks: int | None = None, *, check: bool = True
+) -> Schedule:
     """The named schedule for ``num_stages`` stages over ``num_ranks`` pipeline ranks (default:
     one stage per rank, or two for interleaved schedules), validated."""
     key = name.lower()
@@ -275,7 +283,8 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, num_ranks: 
         raise ScheduleError(
             f"unknown schedule {name!r}; choose one of {sorted([*SCHEDULES, *INTERLEAVED, *V_SHAPED])}"
         )
-    validate(schedule, num_stages, num_microbatches)
+    if check:  # the generators are tested; the tuner skips re-validating thousands of them
+        validate(schedule, num_stages, num_microbatches)
     return schedule
 
 

@@ -64,12 +64,16 @@ def collecting(sink: WeightGrads | None) -> Iterator[None]:
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, bias)
+        ctx.save_for_backward(x)
+        # The parameters themselves, not saved-tensor copies: under activation checkpointing a
+        # saved tensor comes back as a recomputed alias, and W must accumulate into the Parameter.
+        ctx.weight, ctx.bias = weight, bias
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, bias = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         sink = getattr(_active, "sink", None)
         if sink is not None:
