@@ -5,11 +5,16 @@ round by round in one pair of processes so machine noise hits all alike:
 
 - ``single``: the plain model, one process, one thread (rank 0 alone; rank 1 waits);
 - ``torch-1f1b``: torch's ``Schedule1F1B`` on hand-built stages split at the middle block
-  (embeddings + blocks 0-3 | blocks 4-7 + final norm + head);
-- ``replica-<schedule>``: ``replica.auto_parallel`` with no hint but the schedule.
+  (embeddings + blocks 0-3 | blocks 4-7 + final norm + head); ``torch-zbv``: its
+  ``ScheduleZBVZeroBubble`` on four hand-built V-placed stages (blocks 2/2/2/2,
+  embeddings on stage 0, head on stage 3; rank 0 holds stages 0 and 3);
+- ``replica-<schedule>``: ``replica.auto_parallel`` with the stage count, micro-batches and
+  schedule given (2 stages, or 4 for V / interleaved) but no split; ``replica-auto`` with
+  no hint at all.
 
 Peak RSS is measured per framework in fresh processes (ru_maxrss is a lifetime peak).
-Usage: ``python benchmarks/pipeline_vs_torch.py [--rounds 5] [--steps 3]``.
+Usage: ``python benchmarks/pipeline_vs_torch.py [--rounds 5] [--steps 3] [--schedules 1f1b,zb-v,auto]
+[--torch-schedules 1f1b,zbv] [--vocab 8192]``.
 """
 
 from __future__ import annotations
@@ -75,19 +80,50 @@ class SecondHalf(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def torch_pipeline(rank: int, model: GPT, schedule: str = "1f1b"):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+class Middle(nn.Module):
+    """Blocks only: the inner stages of a V."""
 
-    half = CONFIG["n_layer"] // 2
+    def __init__(self, gpt: GPT, start: int, end: int) -> None:
+        super().__init__()
+        self.h = gpt.transformer.h[start:end]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.h:
+            x = block(x)
+        return x
+
+
+def torch_pipeline(rank: int, model: GPT, schedule: str = "1f1b"):
+    """torch.distributed.pipelining with hand-built stages: halves at the middle block for
+    1F1B / GPipe; four quarters in a V (rank 0: stages 0 and 3) for ZBVZeroBubble."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBVZeroBubble
+
+    n = CONFIG["n_layer"]
+    cpu = torch.device("cpu")
+    if schedule == "zbv":
+        q = n // 4
+        first, last = (FirstHalf(model, q), SecondHalf(model, 3 * q)) if rank == 0 else \
+            (Middle(model, q, 2 * q), Middle(model, 2 * q, 3 * q))
+        index = (0, 3) if rank == 0 else (1, 2)
+        stages = [PipelineStage(first, index[0], 4, cpu), PipelineStage(last, index[1], 4, cpu)]
+        module = nn.ModuleList([first, last])
+        return module, ScheduleZBVZeroBubble(stages, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    half = n // 2
     module = FirstHalf(model, half) if rank == 0 else SecondHalf(model, half)
-    stage = PipelineStage(module, stage_index=rank, num_stages=2, device=torch.device("cpu"))
+    stage = PipelineStage(module, stage_index=rank, num_stages=2, device=cpu)
     cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
     return module, cls(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
 
 
-def torch_step(rank: int, module: nn.Module, sched, x: torch.Tensor, y: torch.Tensor) -> None:
+def torch_step(rank: int, module: nn.Module, sched, x: torch.Tensor, y: torch.Tensor, v: bool = False) -> None:
+    """One step; the first stage feeds x, the last (rank 1, or rank 0 in a V) takes y."""
     module.zero_grad(set_to_none=True)
-    if rank == 0:
+    if v:  # rank 0 holds the first and the last stage
+        if rank == 0:
+            sched.step(x, target=y, losses=[])
+        else:
+            sched.step()
+    elif rank == 0:
         sched.step(x)
     else:
         sched.step(target=y, losses=[])
@@ -102,19 +138,26 @@ def timed(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]) -> dict:
+def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str], torch_schedules: list[str],
+            vocab: int) -> dict:
+    CONFIG["vocab_size"] = vocab  # spawned ranks start from the module's defaults
     model, x, y = build()
     plain = copy.deepcopy(model)
-    t_module, t_sched = torch_pipeline(rank, copy.deepcopy(model))
-    pms = {s: replica.auto_parallel(copy.deepcopy(model), (x,), num_stages=2, num_microbatches=MICROBATCHES,
-                                    schedule=s, loss_fn=loss_fn) for s in schedules}
+    torch_runs = {t: torch_pipeline(rank, copy.deepcopy(model), t) for t in torch_schedules}
+    pms = {}
+    for s in schedules:  # "auto": no hint at all, the tuner picks stages, micro-batches and schedule
+        hints = {} if s == "auto" else dict(num_stages=4 if s in ("zb-v", "interleaved") else 2,
+                                            num_microbatches=MICROBATCHES, schedule=s)
+        pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
 
     def single() -> None:
         if rank == 0:
             plain.zero_grad(set_to_none=True)
             loss_fn(plain(x), y).backward()
 
-    modes = {"single": single, "torch-1f1b": lambda: torch_step(rank, t_module, t_sched, x, y)}
+    modes = {"single": single}
+    for t, (t_module, t_sched) in torch_runs.items():
+        modes[f"torch-{t}"] = (lambda m=t_module, sc=t_sched, v=(t == "zbv"): torch_step(rank, m, sc, x, y, v))
     for s, pm in pms.items():
         modes[f"replica-{s}"] = (lambda pm=pm: (pm.zero_grad(), pm.train_step(x, y)))
     for fn in modes.values():  # warm up every path once
@@ -123,12 +166,13 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
     for _ in range(rounds):
         for name, fn in modes.items():
             times[name].append(timed(fn, steps))
-    plan = next(iter(pms.values())).plan
-    return {"times": times, "plan": [len(s.node_names) for s in plan.stages],
-            "predicted": [s.predicted_time_s for s in plan.stages], "summary": plan.summary()}
+    summaries = {s: pm.plan.summary() for s, pm in pms.items()}
+    return {"times": times, "summaries": summaries}
 
 
-def rss_job(rank: int, world: int, framework: str, steps: int) -> float:
+def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0) -> float:
+    if vocab:
+        CONFIG["vocab_size"] = vocab
     model, x, y = build()
     if framework == "torch":
         module, sched = torch_pipeline(rank, model)
@@ -146,25 +190,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--schedules", default="1f1b")
+    parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint)")
+    parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
+    parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
+    parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--json", help="also write the raw figures here")
     args = parser.parse_args()
+    CONFIG["vocab_size"] = args.vocab
     schedules = args.schedules.split(",")
-    result = run_local(compare, 2, args.rounds, args.steps, schedules, timeout_s=1800)[0]
+    torch_schedules = args.torch_schedules.split(",")
+    result = run_local(compare, 2, args.rounds, args.steps, schedules, torch_schedules, args.vocab,
+                       timeout_s=3000)[0]
     tokens = BATCH * SEQ
     med = {k: statistics.median(v) for k, v in result["times"].items()}
     base = med["single"]
     ideal = 2 * MICROBATCHES / (MICROBATCHES + 1)
-    print(result["summary"])
+    for name, summary in result["summaries"].items():
+        print(f"--- replica {name}\n{summary}")
+    best_torch = min(t for k, t in med.items() if k.startswith("torch-"))
     print(f"\nGPT {CONFIG['n_layer']} layers d={CONFIG['n_embd']} vocab {CONFIG['vocab_size']}, batch {BATCH}x{SEQ}, "
           f"{MICROBATCHES} micro-batches, 2 gloo ranks x 1 thread; median of {args.rounds} rounds x {args.steps} steps")
-    print(f"{'mode':<18}{'step s':>9}{'tokens/s':>11}{'vs single':>11}{'of ideal':>10}{'vs torch':>10}")
+    print(f"{'mode':<20}{'step s':>9}{'tokens/s':>11}{'vs single':>11}{'of 1F1B ideal':>15}{'of 2.0x':>9}"
+          f"{'vs torch best':>15}")
     for name, t in med.items():
         speedup = base / t
-        print(f"{name:<18}{t:>9.3f}{tokens / t:>11.0f}{speedup:>10.2f}x{speedup / ideal:>10.1%}"
-              f"{med['torch-1f1b'] / t:>9.2f}x")
-    rss = {fw: run_local(rss_job, 2, fw, 3, timeout_s=600) for fw in ("torch", "replica")}
-    print("peak RSS per rank (MiB): " + ", ".join(f"{fw} {[round(v) for v in r]}" for fw, r in rss.items()))
+        print(f"{name:<20}{t:>9.3f}{tokens / t:>11.0f}{speedup:>10.2f}x{speedup / ideal:>15.1%}{speedup / 2:>9.1%}"
+              f"{best_torch / t:>14.2f}x")
+    rss = {}
+    if not args.no_rss:
+        rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, timeout_s=600) for fw in ("torch", "replica")}
+        print("peak RSS per rank (MiB): " + ", ".join(f"{fw} {[round(v) for v in r]}" for fw, r in rss.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"median_s": med, "rss_mib": rss, "ideal": ideal}, indent=2))
 

@@ -1,0 +1,86 @@
+"""The auto-tuner: configurations priced by simulation, memory respected, infeasible worlds explained."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+import torch
+
+import replica
+from benchmarks.plan_175b import plan_175b
+from examples.gpt.model import GPTConfig
+from replica.tuner import SCHEDULE_CHOICES
+from tests import models
+from tests.conftest import COMPUTE_BOUND
+
+
+def test_the_tuner_fills_the_world():
+    model, inputs, _, _ = models.tiny_gpt(16)
+    p = replica.plan(model, inputs, world_size=4, device=COMPUTE_BOUND, schedule="auto")
+    assert p.num_stages // p.stages_per_rank * p.data_parallel_size == 4
+    assert p.schedule in SCHEDULE_CHOICES
+    assert p.predicted_step_time_s > 0 and 0 <= p.bubble_fraction < 1
+
+
+def test_the_choice_is_the_fastest_of_its_alternatives():
+    model, inputs, _, _ = models.tiny_gpt(16)
+    p = replica.plan(model, inputs, world_size=4, device=COMPUTE_BOUND, schedule="auto")
+    assert p.alternatives and all(p.predicted_step_time_s <= t * 1.05 for _, t in p.alternatives)
+
+
+def test_fixed_stages_leave_micro_batches_to_the_tuner():
+    model, inputs, _, _ = models.tiny_gpt(16)
+    p = replica.plan(model, inputs, world_size=2, num_stages=2, device=COMPUTE_BOUND)
+    assert p.num_stages == 2 and p.data_parallel_size == 1 and p.num_microbatches >= 2
+
+
+def test_a_tight_budget_turns_recompute_on():
+    model, inputs, _, _ = models.tiny_gpt(64, num_layers=4)
+    loose = replica.plan(model, inputs, world_size=2, num_stages=2, device=COMPUTE_BOUND, schedule="gpipe")
+    fullest = max(s.predicted_memory_bytes for s in loose.stages)
+    statics = max(s.memory.parameters + s.memory.gradients + s.memory.optimizer for s in loose.stages)
+    tight = replica.plan(model, inputs, world_size=2, num_stages=2, device=COMPUTE_BOUND, schedule="gpipe",
+                         memory_budget=(fullest + statics) / 2)
+    assert tight.recompute and not loose.recompute
+
+
+def test_the_tuned_plan_trains_exactly():
+    model, inputs, target, loss_fn = models.tiny_gpt(8)
+    ref = __import__("copy").deepcopy(model)
+    ref_loss = loss_fn(ref(*inputs), target)
+    ref_loss.backward()
+    pm = replica.auto_parallel(model, inputs, num_stages=2, schedule="auto", loss_fn=loss_fn, device=COMPUTE_BOUND)
+    torch.testing.assert_close(pm.train_step(inputs, target), ref_loss.detach())
+    grads = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad)
+
+
+def test_gpt3_175b_plans_on_1024_a100s_in_a_minute():
+    start = time.perf_counter()
+    plan = plan_175b(1024)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 60
+    assert max(s.predicted_memory_bytes for s in plan.stages) <= 80 * 2**30
+    assert plan.num_stages // plan.stages_per_rank * plan.data_parallel_size == 1024
+    assert plan.model_flops > 0 and "TFLOP/s per device" in plan.summary()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 * 2**20  # KiB: under 4 GiB, no weights
+
+
+def test_gpt3_175b_on_8_gpus_says_how_many_are_needed():
+    with pytest.raises(replica.PartitionError, match=r"About \d+ devices are needed") as err:
+        plan_175b(8)
+    needed = int(str(err.value).split("About ")[1].split()[0])
+    assert needed >= 32  # 175B x 16 bytes of weights, gradients and Adam state alone need 35 GPUs
+
+
+def test_a_small_world_for_a_small_model_on_meta():
+    with torch.device("meta"):
+        from examples.gpt.model import GPT
+
+        model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=4, n_embd=64))
+    tokens = torch.empty(32, 64, dtype=torch.long, device="meta")
+    p = replica.plan(model, (tokens,), world_size=8, device="h100-80gb", schedule="auto")
+    assert p.device == "h100-80gb" and p.num_stages >= 1
