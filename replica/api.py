@@ -23,6 +23,7 @@ from replica.pipeline.schedule import (
     INTERLEAVED,
     SCHEDULES,
     V_SHAPED,
+    durations_of,
     make_schedule,
     max_in_flight,
     splits_backward,
@@ -149,6 +150,8 @@ class _Planner:
                            memory_model=dataclasses.replace(self.memory_model, recompute=recompute),
                            memory_budget=budget,
                            in_flight=max_in_flight(schedule_data, num_stages))
+        if splits_backward(schedule_data):  # order the zero-bubble actions by this plan's own times
+            schedule_data = make_schedule(schedule, num_stages, m, num_ranks, durations=plan_durations(result))
         timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]))
         return dataclasses.replace(
             result, data_parallel_size=replicas, predicted_step_time_s=timeline.step_time_s,
@@ -156,6 +159,11 @@ class _Planner:
             model_flops=3 * self.traced.graph.total_flops * batch_fraction * replicas,
             device_peak_flops=self.spec.datasheet_flops or self.spec.peak(self.dtype),
         )
+
+
+def plan_durations(plan: Plan) -> tuple[float, float, float]:
+    """The relative F, B, W times the zero-bubble generators order a plan's actions by."""
+    return durations_of([s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages])
 
 
 def _wants_tuning(num_stages: int | None, num_microbatches: int | None, schedule: str | None) -> bool:
@@ -443,7 +451,8 @@ class PipelineModel:
         self.loss_reduction = loss_reduction
         self.num_inputs = num_inputs
         self.all_stages: list[StageModule] = split(traced, plan)
-        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_pipeline_ranks)
+        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_pipeline_ranks,
+                                      durations=plan_durations(plan))
         if splits_backward(self.schedule):  # linear weight gradients wait for their W action
             for stage in self.all_stages:
                 defer_linear_weight_grads(stage.module)

@@ -17,7 +17,14 @@ from typing import Callable, Sequence
 from replica.errors import PartitionError, ScheduleError
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
-from replica.pipeline.schedule import INTERLEAVED, make_schedule, max_in_flight, stages_per_rank
+from replica.pipeline.schedule import (
+    INTERLEAVED,
+    WEIGHT_SHARE,
+    durations_of,
+    make_schedule,
+    max_in_flight,
+    stages_per_rank,
+)
 from replica.pipeline.simulate import StageCosts, simulate
 
 __all__ = ["Candidate", "tune", "SCHEDULE_CHOICES"]
@@ -80,7 +87,9 @@ def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, m: int,
     """Price ``plan``'s stages (one replica's batch) for ``m`` micro-batches under
     ``schedule_name``, by simulation; memory per rank from the schedule's own in-flight counts."""
     try:
-        schedule = make_schedule(schedule_name, plan.num_stages, m, ranks, check=False)
+        schedule = make_schedule(schedule_name, plan.num_stages, m, ranks, check=False,
+                                 durations=durations_of([s.forward_time_s for s in plan.stages],
+                                                        [s.backward_time_s for s in plan.stages]))
     except ScheduleError:
         return None
     flights = max_in_flight(schedule, plan.num_stages)
@@ -100,8 +109,8 @@ def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, m: int,
         static = s.memory.parameters + s.memory.gradients + s.memory.optimizer
         costs.append(StageCosts(
             forward_s=forward,
-            backward_s=backward / 2 if split else backward,
-            weight_s=backward / 2 if split else 0.0,
+            backward_s=backward * (1 - WEIGHT_SHARE) if split else backward,
+            weight_s=backward * WEIGHT_SHARE if split else 0.0,
             send_s=(sends / device.link_bandwidth + device.link_latency_s) if remote else 0.0,
             activation_bytes=int(s.activation_bytes / m),
             static_bytes=static,

@@ -303,7 +303,9 @@ def test_plan_costs_split_backward(gpt_plan):
     costs = stage_costs_from_plan(gpt_plan, make_schedule("zb-h1", 3, 8), device=COMPUTE_BOUND)
     assert [(c.backward_s + c.weight_s) * 8 for c in costs] == pytest.approx(
         [s.backward_time_s for s in gpt_plan.stages])
-    assert all(c.backward_s == c.weight_s for c in costs)
+    from replica.pipeline.schedule import WEIGHT_SHARE
+
+    assert all(c.weight_s == pytest.approx(WEIGHT_SHARE * (c.backward_s + c.weight_s)) for c in costs)
 
 
 def test_plan_send_time_follows_the_link(gpt_plan):

@@ -19,7 +19,7 @@ from replica.errors import ScheduleError
 __all__ = [
     "Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zero_bubble_h1",
     "zero_bubble_v", "list_schedule", "SCHEDULES", "INTERLEAVED", "V_SHAPED", "make_schedule",
-    "stages_per_rank", "splits_backward", "max_in_flight",
+    "stages_per_rank", "splits_backward", "max_in_flight", "WEIGHT_SHARE", "durations_of",
     "validate", "placement", "execution_order", "format_grid",
 ]
 
@@ -139,72 +139,102 @@ def list_schedule(
     *,
     split_backward: bool,
     admit: Sequence[int],
+    durations: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> Schedule:
-    """Greedy list scheduling in unit time (F = B = W = 1 tick): whenever a rank is free it
-    runs a ready B (it unblocks the ranks upstream), else the F of its deepest stage that
-    is ready (entering a new micro-batch into its first stage only while fewer than
-    ``admit[rank]`` micro-batches hold activations there), else a deferred W (which
-    also frees activations). ``stage_ranks[s]`` places stage s. Pure, deterministic.
+    """Greedy list scheduling: whenever a rank is free it runs a ready B (it unblocks the
+    ranks upstream), else the F of its deepest stage that is ready (entering a new
+    micro-batch into its first stage only while fewer than ``admit[rank]`` micro-batches
+    hold activations there), else a deferred W (which also frees activations); with
+    nothing ready it waits for the next action anywhere to finish. ``durations`` are the
+    relative times of F, B and W (unit ticks by default). ``stage_ranks[s]`` places stage
+    s. Pure and deterministic.
     """
     num_stages = len(stage_ranks)
     num_ranks = max(stage_ranks) + 1
+    length = {FORWARD: durations[0], BACKWARD: durations[1], WEIGHT: durations[2]}
     mine = [[s for s in range(num_stages) if stage_ranks[s] == r] for r in range(num_ranks)]
     deepest_first = [sorted(stages, reverse=True) for stages in mine]
-    forwarded: set[tuple[int, int]] = set()
-    backwarded: set[tuple[int, int]] = set()
+    forwarded: dict[tuple[int, int], float] = {}  # (stage, micro-batch) -> when its F ends
     next_f = [0] * num_stages
     held = [0] * num_ranks  # micro-batches with activations alive on the rank's first stage
-    ready_b: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]  # heaps of (i, -s)
-    pending_w: list[collections.deque[Action]] = [collections.deque() for _ in range(num_ranks)]
+    ready_b: list[list[tuple[float, int, int]]] = [[] for _ in range(num_ranks)]  # (ready at, i, -s)
+    pending_w: list[collections.deque[tuple[float, Action]]] = [collections.deque() for _ in range(num_ranks)]
     schedule: Schedule = [[] for _ in range(num_ranks)]
+    running: list[tuple[float, int, int, int, str]] = []  # heap of (end, rank, stage, micro-batch, kind)
+    free_ranks = [(0.0, r) for r in range(num_ranks)]  # heap of (free at, rank)
+    waiting: list[int] = []  # ranks that found nothing ready; they look again after the next event
     remaining = num_stages * num_microbatches * (3 if split_backward else 2)
+
+    def finish(end: float, r: int, a: Action) -> None:
+        s, kind, i = a
+        if kind == FORWARD:
+            forwarded[(s, i)] = end
+            if s == num_stages - 1:
+                heapq.heappush(ready_b[r], (end, i, -s))
+        elif kind == BACKWARD:
+            if s > 0:
+                heapq.heappush(ready_b[stage_ranks[s - 1]], (end, i, -(s - 1)))
+            if split_backward:
+                pending_w[r].append((end, Action(s, WEIGHT, i)))
+            elif s == mine[r][0]:
+                held[r] -= 1
+        elif s == mine[r][0]:
+            held[r] -= 1
+
     while remaining:
-        finished = []
-        for r in range(num_ranks):
-            choice: Action | None = None
-            if ready_b[r]:
-                i, neg = heapq.heappop(ready_b[r])
-                choice = Action(-neg, BACKWARD, i)
-            else:
-                for s in deepest_first[r]:
-                    i = next_f[s]
-                    if i >= num_microbatches or (s > 0 and (s - 1, i) not in forwarded):
-                        continue
-                    if s == mine[r][0] and held[r] >= admit[r]:
-                        continue
-                    choice = Action(s, FORWARD, i)
-                    break
-            if choice is None and pending_w[r]:
-                choice = pending_w[r].popleft()
-            if choice is None:
-                continue
-            schedule[r].append(choice)
-            finished.append((r, choice))
-        if not finished:
-            raise ScheduleError("list scheduling stalled: the admission limits are too small")
-        remaining -= len(finished)
-        for r, a in finished:  # what finished this tick becomes ready for the next
-            s, kind, i = a
-            if kind == FORWARD:
-                forwarded.add((s, i))
+        if not free_ranks:  # every free rank waits: jump to the next action's end
+            if not running:
+                raise ScheduleError("list scheduling stalled: the admission limits are too small")
+            t = running[0][0]
+            free_ranks = [(t, q) for q in waiting]
+            heapq.heapify(free_ranks)
+            waiting = []
+        now, r = heapq.heappop(free_ranks)
+        settled = False
+        while running and running[0][0] <= now:
+            end, q, s_, i_, k_ = heapq.heappop(running)
+            finish(end, q, Action(s_, k_, i_))
+            settled = True
+        if settled and waiting:  # what just ended may have readied the waiting ranks
+            for q in waiting:
+                heapq.heappush(free_ranks, (now, q))
+            waiting = []
+        choice: Action | None = None
+        if ready_b[r] and ready_b[r][0][0] <= now:
+            _, i, neg = heapq.heappop(ready_b[r])
+            choice = Action(-neg, BACKWARD, i)
+        else:
+            for s in deepest_first[r]:
+                i = next_f[s]
+                if i >= num_microbatches or (s > 0 and forwarded.get((s - 1, i), float("inf")) > now):
+                    continue
+                if s == mine[r][0] and held[r] >= admit[r]:
+                    continue
+                choice = Action(s, FORWARD, i)
                 next_f[s] += 1
                 held[r] += s == mine[r][0]
-                if s == num_stages - 1:
-                    heapq.heappush(ready_b[r], (i, -s))
-            elif kind == BACKWARD:
-                backwarded.add((s, i))
-                if s > 0:
-                    heapq.heappush(ready_b[stage_ranks[s - 1]], (i, -(s - 1)))
-                if split_backward:
-                    pending_w[r].append(Action(s, WEIGHT, i))
-                elif s == mine[r][0]:
-                    held[r] -= 1
-            else:
-                held[r] -= s == mine[r][0]
+                break
+        if choice is None and pending_w[r] and pending_w[r][0][0] <= now:
+            choice = pending_w[r].popleft()[1]
+        if choice is None:
+            waiting.append(r)
+            continue
+        end = now + length[choice.kind]
+        schedule[r].append(choice)
+        heapq.heappush(running, (end, r, choice.stage_index, choice.microbatch_index, choice.kind))
+        heapq.heappush(free_ranks, (end, r))
+        remaining -= 1
     return schedule
 
 
-def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
+# Of a backward, the share that is linear-layer weight gradients (W) in a transformer:
+# the simulator and the zero-bubble generators both assume it.
+WEIGHT_SHARE = 0.4
+
+
+def zero_bubble_h1(
+    num_stages: int, num_microbatches: int, *, durations: tuple[float, float, float] = (1.0, 1.0, 1.0)
+) -> Schedule:
     """ZB-H1: 1F1B's order and memory (rank r admits ``num_stages - r`` micro-batches), with
     each backward split into B (input gradient, sent upstream at once) and W (weight
     gradient) deferred into what would be the bubbles. For 3 stages, 4 micro-batches::
@@ -215,13 +245,16 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
     """
     _check(num_stages, num_microbatches)
     return list_schedule(list(range(num_stages)), num_microbatches, split_backward=True,
-                         admit=[num_stages - r for r in range(num_stages)])
+                         admit=[num_stages - r for r in range(num_stages)], durations=durations)
 
 
-def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
+def zero_bubble_v(
+    num_stages: int, num_microbatches: int, *, durations: tuple[float, float, float] = (1.0, 1.0, 1.0)
+) -> Schedule:
     """ZB-V: ``num_stages = 2P`` stages on P ranks in a V (rank r holds stages r and
     2P-1-r, so the first and the last stage share rank 0), split backward, W in the
-    bubbles. For 4 stages on 2 ranks, 4 micro-batches::
+    bubbles. ``durations`` (relative F, B, W times; the runtime passes the plan's) shape
+    the order; in unit time, for 4 stages on 2 ranks, 4 micro-batches::
 
         rank 0: 0F0 0F1 0F2 3F0 3B0 3F1 3B1 0B0 0F3 0B1 3W0 3W1 0W0 3F2 3B2 0W1 3W2 0B2 0W2 3F3 3B3 3W3 ... 0B3 0W3
         rank 1: ... 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 2W0 1W0 1F2 2F2 2W1 1W1 2B2 1B2 1F3 2F3 2W2 1W2 2B3 1B3 2W3 1W3
@@ -233,7 +266,8 @@ def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
         )
     p = num_stages // 2
     ranks = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
-    return list_schedule(ranks, num_microbatches, split_backward=True, admit=[2 * (p - r) for r in range(p)])
+    return list_schedule(ranks, num_microbatches, split_backward=True, admit=[2 * (p - r) for r in range(p)],
+                         durations=durations)
 
 
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
@@ -254,7 +288,8 @@ def splits_backward(schedule: Sequence[Sequence[Action]]) -> bool:
 
 
 def make_schedule(
-    name: str, num_stages: int, num_microbatches: int, num_ranks: int | None = None, *, check: bool = True
+    name: str, num_stages: int, num_microbatches: int, num_ranks: int | None = None, *, check: bool = True,
+    durations: tuple[float, float, float] | None = None,
 ) -> Schedule:
     """The named schedule for ``num_stages`` stages over ``num_ranks`` pipeline ranks (default:
     one stage per rank, or two for interleaved schedules), validated."""
@@ -271,14 +306,15 @@ def make_schedule(
                 f"pipeline ranks, got num_stages={num_stages} on {num_ranks} ranks; use num_stages="
                 f"{2 * (num_ranks or 1)}"
             )
-        schedule = V_SHAPED[key](num_stages, num_microbatches)
+        schedule = V_SHAPED[key](num_stages, num_microbatches, durations=durations or (1.0, 1.0, 1.0))
     elif key in SCHEDULES:
         if num_ranks not in (None, num_stages):
             raise ScheduleError(
                 f"the {name!r} schedule puts one stage on each rank, but num_stages={num_stages} and "
                 f"{num_ranks} pipeline ranks; use num_stages={num_ranks} or schedule='interleaved'"
             )
-        schedule = SCHEDULES[key](num_stages, num_microbatches)
+        schedule = SCHEDULES[key](num_stages, num_microbatches, **({"durations": durations}
+                                                                  if durations and key == "zb-h1" else {}))
     else:
         raise ScheduleError(
             f"unknown schedule {name!r}; choose one of {sorted([*SCHEDULES, *INTERLEAVED, *V_SHAPED])}"
@@ -286,6 +322,16 @@ def make_schedule(
     if check:  # the generators are tested; the tuner skips re-validating thousands of them
         validate(schedule, num_stages, num_microbatches)
     return schedule
+
+
+def durations_of(forward_s: Sequence[float], backward_s: Sequence[float]) -> tuple[float, float, float]:
+    """Relative F, B, W durations for the zero-bubble generators from stage times, rounded
+    so every rank derives the same schedule from the same plan."""
+    f = sum(forward_s) / max(1, len(forward_s))
+    b = sum(backward_s) / max(1, len(backward_s))
+    if f <= 0:
+        return (1.0, 1.0, 1.0)
+    return (1.0, round(b * (1 - WEIGHT_SHARE) / f, 2), round(b * WEIGHT_SHARE / f, 2))
 
 
 def placement(schedule: Sequence[Sequence[Action]]) -> dict[int, int]:

@@ -25,6 +25,7 @@ from replica.pipeline.schedule import (
     BACKWARD,
     FORWARD,
     WEIGHT,
+    WEIGHT_SHARE,
     Action,
     make_schedule,
     max_in_flight,
@@ -285,8 +286,8 @@ def stage_costs_from_plan(
         memory = stage.memory
         costs.append(StageCosts(
             forward_s=stage.forward_time_s / m,
-            backward_s=backward / 2 if split else backward,
-            weight_s=backward / 2 if split else 0.0,
+            backward_s=backward * (1 - WEIGHT_SHARE) if split else backward,
+            weight_s=backward * WEIGHT_SHARE if split else 0.0,
             send_s=send,
             activation_bytes=round(memory.activations / held[k]) if held[k] else 0,
             static_bytes=memory.parameters + memory.gradients + memory.optimizer,

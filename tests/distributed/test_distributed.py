@@ -288,6 +288,31 @@ def test_interleaved_two_stages_per_rank(interleaved):
     torch.testing.assert_close(reports[0]["tied_grad"], reports[1]["tied_grad"], rtol=0, atol=0)
 
 
+@pytest.fixture(scope="module")
+def zero_bubble_v() -> list[list[dict]]:
+    """Tiny GPT in a V: 4 stages on 2 ranks, rank 0 holds the tied embedding's and head's stages."""
+    return _run(transparency_job, 2, "tiny_gpt", 8, 4, 4, ("zb-v",))
+
+
+@pytest.fixture(scope="module")
+def zero_bubble_unet() -> list[list[dict]]:
+    """U-Net's long skips under ZB-H1 on 3 ranks (split backward: B now, W later)."""
+    return _run(transparency_job, 3, "unet", 8, 3, 4, ("zb-h1",))
+
+
+def test_zero_bubble_v_tied_weight_on_one_rank(zero_bubble_v):
+    reports = [r[0] for r in zero_bubble_v]
+    assert [r["stages"] for r in reports] == [[0, 3], [1, 2]]
+    assert reports[0]["tied_grad"] is not None  # both uses on rank 0: summed once, not twice
+    assert reports[0]["loss"] == reports[1]["loss"]
+
+
+def test_zero_bubble_h1_long_skips_on_three_ranks(zero_bubble_unet):
+    reports = [r[0] for r in zero_bubble_unet]
+    assert [r["stages"] for r in reports] == [[0], [1], [2]]
+    _assert_pipeline_cut("unet", reports)
+
+
 def test_pipeline_2_by_data_parallel_2(data_parallel):
     results = data_parallel
     assert [(r["pipeline_rank"], r["data_parallel_rank"]) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
