@@ -157,7 +157,7 @@ class _Planner:
             result, data_parallel_size=replicas, predicted_step_time_s=timeline.step_time_s,
             simulated_bubble=timeline.bubble_fraction,
             model_flops=3 * self.traced.graph.total_flops * batch_fraction * replicas,
-            device_peak_flops=self.spec.datasheet_flops or self.spec.peak(self.dtype),
+            device_peak_flops=self.spec.datasheet_flops,  # 0 for a CPU: no utilisation figure
         )
 
 
@@ -390,12 +390,12 @@ def auto_parallel(
     traced = trace(model, example_inputs, leaf_modules=leaf_modules)
     inputs, _ = normalize_inputs(model, example_inputs)
     world = dist.get_world_size() if _distributed() else 1
+    if plan is None and world > 1 and num_stages is not None and schedule != "auto":
+        _layout(schedule, num_stages, data_parallel_size, world)  # on every rank: num_stages must fit the world
     if plan is None and (world == 1 or dist.get_rank() == 0):
         planner = _Planner(traced, model, inputs, device=device, cost=cost, memory_budget=memory_budget,
                            memory_model=MemoryModel(), num_microbatches=num_microbatches,
                            num_stages_hint=num_stages or world)
-        if world > 1 and num_stages is not None and schedule != "auto":
-            _layout(schedule, num_stages, data_parallel_size, world)  # num_stages must fit the world
         if world > 1 and _wants_tuning(num_stages, num_microbatches, schedule):
             plan = _tuned(planner, world, global_batch=False, num_stages=num_stages,
                           num_microbatches=num_microbatches, schedule=schedule,

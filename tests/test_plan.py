@@ -117,7 +117,7 @@ def test_summary_balance_line(plan):
 
 
 def test_summary_title(plan):
-    assert "TinyGPT: 3 stages × 1 replicas, 8 micro-batches, 1f1b, on compute-bound-test" in plan.summary()
+    assert "TinyGPT: 3 stages × 1 replica, 8 micro-batches, 1f1b, on compute-bound-test" in plan.summary()
 
 
 def test_summary_names_tied_weights_across_stages(plan):

@@ -33,7 +33,6 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.n_embd = config.n_embd
-        self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -45,8 +44,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        dropout_p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
+        # No dropout on the attention weights: `dropout_p=self.dropout if self.training else 0.0`
+        # would freeze the mode the model had when torch.fx traced it. The nn.Dropout modules
+        # below follow train() and eval() after tracing too.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
@@ -151,3 +152,10 @@ class GPT(nn.Module):
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over every position of every sequence."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # over B*T
+
+
+def example(batch_size: int = 16) -> tuple[GPT, tuple[torch.Tensor]]:
+    """The default model and an input batch, for `replica plan examples.gpt.model:example`."""
+    config = GPTConfig()
+    idx = torch.zeros(batch_size, config.block_size, dtype=torch.long)  # (B, T)
+    return GPT(config), (idx,)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -24,25 +25,34 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="a text file; default: the standard library's .py sources")
     p.add_argument("--max-bytes", type=int, default=3_000_000, help="read at most this much text")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--num-stages", type=int, default=4)
     p.add_argument("--num-microbatches", type=int, default=4)
-    p.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | ...")
+    p.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1 | interleaved | zb-v | auto")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--sample-tokens", type=int, default=300)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads; default: torch's choice")
     return p.parse_args()
 
 
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up over the first 5% of the steps, then cosine decay to a tenth of --lr."""
+    warmup_steps = max(1, args.steps // 20)
+    if step < warmup_steps:
+        return args.lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, args.steps - warmup_steps)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
 @torch.no_grad()
-def estimate_loss(pm, data: torch.Tensor, args: argparse.Namespace, num_batches: int = 8) -> float:
+def estimate_loss(pm: replica.PipelineModel, data: torch.Tensor, args: argparse.Namespace, num_batches: int = 8) -> float:
     generator = torch.Generator().manual_seed(args.seed + 1)  # the same windows every time
     losses = []
     for _ in range(num_batches):
@@ -91,17 +101,20 @@ def main() -> None:
     optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.99))
     tokens_per_step = args.batch_size * args.block_size
     t0 = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
         x, y = get_batch(train_data, args.batch_size, args.block_size, generator)  # (B, T), (B, T)
         optimizer.zero_grad(set_to_none=True)
         loss = pm.train_step(x, y)  # every micro-batch forward and backward; mean loss over the batch
         optimizer.step()
-        if step == 1 or step % args.log_every == 0 or step == args.steps:
+        if step % args.log_every == 0 or step == args.steps - 1:
             elapsed = time.perf_counter() - t0
-            print(f"step {step:5d} | loss {float(loss):.4f} | {tokens_per_step * step / elapsed:,.0f} tokens/s")
+            print(f"step {step:4d} | loss {float(loss):.4f} | lr {learning_rate(step, args):.2e} | "
+                  f"{tokens_per_step * (step + 1) / elapsed:,.0f} tokens/s")
     print(f"trained {args.steps} steps in {time.perf_counter() - t0:.1f}s")
 
-    model.eval()
+    pm.eval()  # also the plain model: the stages share its modules
     print(f"val loss {estimate_loss(pm, val_data, args):.4f}")
 
     # Sampling is eager and token by token, so it uses the plain model: same parameters, no pipeline.

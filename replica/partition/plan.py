@@ -176,7 +176,8 @@ class Plan:
         from rich.table import Table
 
         table = Table(title=(
-            f"{self.model_name}: {self.num_stages} stages × {self.data_parallel_size} replicas, "
+            f"{self.model_name}: {self.num_stages} stages × {self.data_parallel_size} "
+            f"replica{'s' if self.data_parallel_size != 1 else ''}, "
             f"{self.num_microbatches} micro-batches, {self.schedule}"
             f"{', recomputing activations' if self.recompute else ''}, on {self.device}"
         ), title_justify="left")
@@ -192,7 +193,7 @@ class Plan:
             )
         out = io.StringIO()
         Console(file=out, width=120, force_terminal=False, color_system=None).print(table)
-        lines = [out.getvalue().rstrip()]
+        lines = ["\n".join(line.rstrip() for line in out.getvalue().rstrip().splitlines())]
         lines.append(
             f"predicted step {_seconds(self.predicted_step_time_s)}, bottleneck stage "
             f"{_seconds(self.bottleneck_s)}, balance {self.balance:.2f} (1.00 = perfect), "
