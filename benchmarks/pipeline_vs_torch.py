@@ -167,7 +167,8 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         for name, fn in modes.items():
             times[name].append(timed(fn, steps))
     summaries = {s: pm.plan.summary() for s, pm in pms.items()}
-    return {"times": times, "summaries": summaries}
+    replicas = {f"replica-{s}": pm.data_parallel_size for s, pm in pms.items()}  # each replica feeds a batch
+    return {"times": times, "summaries": summaries, "replicas": replicas}
 
 
 def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0) -> float:
@@ -202,14 +203,16 @@ def main() -> None:
     result = run_local(compare, 2, args.rounds, args.steps, schedules, torch_schedules, args.vocab,
                        timeout_s=3000)[0]
     tokens = BATCH * SEQ
-    med = {k: statistics.median(v) for k, v in result["times"].items()}
+    # a step of D data-parallel replicas trains D batches: compare time per batch
+    med = {k: statistics.median(v) / result["replicas"].get(k, 1) for k, v in result["times"].items()}
     base = med["single"]
     ideal = 2 * MICROBATCHES / (MICROBATCHES + 1)
     for name, summary in result["summaries"].items():
         print(f"--- replica {name}\n{summary}")
     best_torch = min(t for k, t in med.items() if k.startswith("torch-"))
     print(f"\nGPT {CONFIG['n_layer']} layers d={CONFIG['n_embd']} vocab {CONFIG['vocab_size']}, batch {BATCH}x{SEQ}, "
-          f"{MICROBATCHES} micro-batches, 2 gloo ranks x 1 thread; median of {args.rounds} rounds x {args.steps} steps")
+          f"{MICROBATCHES} micro-batches, 2 gloo ranks x 1 thread; median of {args.rounds} rounds x {args.steps} steps"
+          "; 'step s' is per batch of 32 sequences (a data-parallel step trains one per replica)")
     print(f"{'mode':<20}{'step s':>9}{'tokens/s':>11}{'vs single':>11}{'of 1F1B ideal':>15}{'of 2.0x':>9}"
           f"{'vs torch best':>15}")
     for name, t in med.items():

@@ -68,7 +68,9 @@ def _microbatch_choices(batch: int, ranks: int, given: int | None, stages: int) 
         return [given] if given <= batch else []
     if ranks == 1:
         return [1]
-    wanted = {ranks, 2 * ranks, 4 * ranks, 8 * ranks, batch}
+    # beyond 4 micro-batches per rank the bubble gain is small and every extra micro-batch
+    # pays the runtime's per-action cost, which the op profile does not see
+    wanted = {ranks, 2 * ranks, 4 * ranks}
     cap = max(ranks, MAX_SIMULATED_ACTIONS // (3 * stages))
     return sorted(m for m in wanted if 1 <= m <= min(batch, cap))
 
@@ -101,9 +103,9 @@ def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, m: int,
     for s in plan.stages:
         k = s.stage_index
         # each op pays a launch cost per call; the rest of the work splits over the micro-batches
-        fixed = s.num_ops * device.op_overhead_s
-        forward = max(0.0, s.forward_time_s - plan.num_microbatches * fixed) / m + fixed
-        backward = max(0.0, s.backward_time_s - 2 * plan.num_microbatches * fixed) / m + 2 * fixed
+        n = plan.num_microbatches
+        forward = max(0.0, s.forward_time_s - n * s.fixed_forward_s) / m + s.fixed_forward_s
+        backward = max(0.0, s.backward_time_s - n * s.fixed_backward_s) / m + s.fixed_backward_s
         remote = k + 1 < plan.num_stages and where[k + 1] != where[k]
         sends = sum(b.nbytes for b in s.outputs) / m
         static = s.memory.parameters + s.memory.gradients + s.memory.optimizer
@@ -181,7 +183,12 @@ def tune(
                     found = _evaluate(plan, name, ranks, replicas, m, device, memory_budget)
                     if found is not None:
                         candidates.append(found)
-    fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_time_s)
+    # with each replica feeding its own batch, more replicas train more per step: rank by
+    # time per batch; with a global batch, by step time
+    def per_batch(c: Candidate) -> float:
+        return c.step_time_s if global_batch else c.step_time_s / c.data_parallel_size
+
+    fitting = sorted((c for c in candidates if c.fits), key=per_batch)
     if not candidates:
         raise PartitionError(
             f"no way to lay out {world_size} devices as pipeline ranks x data-parallel replicas: a pipeline of P "
@@ -202,7 +209,7 @@ def tune(
     plan = dataclasses.replace(final, data_parallel_size=best.data_parallel_size, predicted_step_time_s=step,
                                alternatives=alternatives,
                                simulated_bubble=again.bubble if again is not None else final.simulated_bubble)
-    return plan, fitting + sorted((c for c in candidates if not c.fits), key=lambda c: c.step_time_s)
+    return plan, fitting + sorted((c for c in candidates if not c.fits), key=per_batch)
 
 
 def _no_fit(candidates: list[Candidate], world_size: int, budget: float) -> PartitionError:

@@ -189,20 +189,22 @@ class CostModel:
         if node.kind != "op":
             return 0.0
         if node.name in self.measured:
-            return self._from_measured(self.measured[node.name].forward_s, num_calls)
+            t = self.measured[node.name]
+            return self._from_measured(t.forward_s, t.forward_fixed_s, num_calls)
         return self._analytic(node, num_calls)
 
-    def _from_measured(self, seconds: float, num_calls: int) -> float:
-        """A call timed on ``measured_fraction`` of the traced batch: a fixed launch cost per
-        call plus work in proportion to the samples."""
-        fixed = min(seconds, self.device.op_overhead_s)
+    def _from_measured(self, seconds: float, fixed: float | None, num_calls: int) -> float:
+        """A call timed on ``measured_fraction`` of the traced batch: a fixed cost per call
+        (measured, else the device's launch overhead) plus work in proportion to the samples."""
+        fixed = min(seconds, self.device.op_overhead_s if fixed is None else fixed)
         return num_calls * fixed + (seconds - fixed) / self.measured_fraction * self.batch_fraction
 
     def backward_time(self, node: Node, num_calls: int = 1) -> float:
         if node.kind != "op":
             return 0.0
         if node.name in self.measured:
-            return self._from_measured(self.measured[node.name].backward_s, num_calls)
+            t = self.measured[node.name]
+            return self._from_measured(t.backward_s, t.backward_fixed_s, num_calls)
         return self.backward_factor * self._analytic(node, num_calls)
 
     def transfer_time(self, nbytes: float, num_messages: int = 1) -> float:

@@ -350,6 +350,9 @@ def _describe(
         buffer_bytes = sum(p.nbytes for p in infos if p.is_buffer)
         saved = int(cm.scaled(sum(n.output_bytes for n in members if _saves_activation(n))))
         received = sum(b.nbytes for b in incoming[k])
+        # the per-call part: what a call costs whatever the micro-batch size
+        fixed_fwd = sum(cm.forward_time(n, 2) - cm.forward_time(n, 1) for n in members)
+        fixed_bwd = sum(cm.backward_time(n, 2) - cm.backward_time(n, 1) for n in members)
         fwd = sum(cm.forward_time(n, m) for n in members)
         bwd = sum(cm.backward_time(n, m) for n in members) + (fwd if memory_model.recompute else 0.0)
         comm = sum(
@@ -376,6 +379,8 @@ def _describe(
             num_ops=sum(1 for n in members if n.kind == OP),
             device=cm.device.name,
             activation_bytes=saved,
+            fixed_forward_s=fixed_fwd,
+            fixed_backward_s=fixed_bwd + (fixed_fwd if memory_model.recompute else 0.0),
         ))
     step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}

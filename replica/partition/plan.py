@@ -63,6 +63,8 @@ class StagePlan:
     num_ops: int = 0
     device: str = ""
     activation_bytes: int = 0
+    fixed_forward_s: float = 0.0
+    fixed_backward_s: float = 0.0
 
     @property
     def predicted_time_s(self) -> float:
@@ -158,6 +160,7 @@ class Plan:
                     outputs=tuple(boundary(b) for b in s["outputs"]), module_paths=tuple(s["module_paths"]),
                     num_ops=s.get("num_ops", 0), device=s.get("device", ""),
                     activation_bytes=s.get("activation_bytes", 0),
+                    fixed_forward_s=s.get("fixed_forward_s", 0.0), fixed_backward_s=s.get("fixed_backward_s", 0.0),
                 )
                 for s in data.pop("stages")
             )

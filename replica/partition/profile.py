@@ -16,10 +16,13 @@ __all__ = ["OpTimes", "profile"]
 @dataclass(frozen=True)
 class OpTimes:
     """Seconds for one call of an op on one micro-batch: forward, and backward (input and
-    weight gradients together)."""
+    weight gradients together); ``*_fixed_s`` is the part that does not shrink with a
+    smaller micro-batch (launch and dispatch), when a second, smaller size was timed."""
 
     forward_s: float
     backward_s: float
+    forward_fixed_s: float | None = None
+    backward_fixed_s: float | None = None
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:
@@ -79,11 +82,38 @@ class _Profiler(fx.Interpreter):
 
 
 def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3) -> dict[str, OpTimes]:
-    """Run ``gm`` once op by op on ``inputs`` (one micro-batch, real tensors on the device the
-    model lives on), timing each op's forward and backward as the best of ``repeats``.
+    """Run ``gm`` op by op on ``inputs`` (one micro-batch, real tensors on the device the
+    model lives on), timing each op's forward and backward as the best of ``repeats``;
+    again on half of it, to tell the fixed cost of a call from the work per sample.
 
     Gradients are computed with ``torch.autograd.grad``: nothing accumulates into ``.grad``.
     """
+    times = _times(gm, inputs, repeats)
+    half = _halve(inputs)
+    if half is None:
+        return times
+    small = _times(gm, half, repeats)
+    # t(b) = fixed + b * slope from the two sizes b and b/2: fixed = 2 t(b/2) - t(b)
+    return {
+        name: OpTimes(t.forward_s, t.backward_s,
+                      _fixed(t.forward_s, small[name].forward_s), _fixed(t.backward_s, small[name].backward_s))
+        for name, t in times.items() if name in small
+    }
+
+
+def _fixed(big: float, small: float) -> float:
+    return min(max(2 * small - big, 0.0), small)
+
+
+def _halve(inputs: Sequence[Any]) -> tuple[Any, ...] | None:
+    sizes = {int(x.shape[0]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1 or next(iter(sizes)) < 2:
+        return None
+    n = next(iter(sizes)) // 2
+    return tuple(x[:n] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in inputs)
+
+
+def _times(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int) -> dict[str, OpTimes]:
     profiler = _Profiler(gm, repeats)
     with torch.enable_grad():
         profiler.run(*inputs)
