@@ -180,6 +180,22 @@ def time_stages(traced: Any, plan: Any, sample: tuple[torch.Tensor, ...], repeat
     return times
 
 
+def report_analytic_error(name: str, graph: Any, measured: dict, m: int) -> None:
+    """How far the analytic model (FLOPs and bytes on the measured CPU spec) is from the
+    profile, per op kind, forward + backward of one micro-batch."""
+    analytic = CostModel(device_spec("cpu"), batch_fraction=1 / m)
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for n in graph.op_nodes:
+        if n.name not in measured or (n.flops == 0 and n.bytes_accessed == 0):
+            continue
+        t = measured[n.name]
+        a = analytic.forward_time(n, 1) + analytic.backward_time(n, 1)
+        kinds.setdefault(n.target, []).append((a, t.forward_s + t.backward_s))
+    rows = sorted(kinds.items(), key=lambda kv: -sum(x[1] for x in kv[1]))[:8]
+    print(f"\n{name}: analytic / profiled time per op kind (1.00 = exact), heaviest first")
+    print("  " + "  ".join(f"{k} {sum(a for a, _ in v) / sum(t for _, t in v):.2f}" for k, v in rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -194,6 +210,7 @@ def main() -> None:
         sample = microbatch.split(inputs, m, "inputs")[0]
         measured_ops = profile(traced.module, sample)
         cost = CostModel(device_spec("cpu"), measured=measured_ops, measured_fraction=1 / m)
+        report_analytic_error(name, graph, measured_ops, m)
         units = layer_units(graph, layer_of)
         params = [sum(graph.parameters[p].nbytes for p in dict.fromkeys(
             q for n in graph.nodes[a:b] for q in n.parameters)) for _, a, b in units]

@@ -39,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--sample-tokens", type=int, default=300)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads; default: torch's choice")
+    p.add_argument("--trainer", action="store_true",
+                   help="train through replica.get_trainer (the Keras-like front door) instead of the loop")
     return p.parse_args()
 
 
@@ -60,6 +62,22 @@ def estimate_loss(pm: replica.PipelineModel, data: torch.Tensor, args: argparse.
         logits = pm(x)  # (B, T, vocab_size): the pipelined forward, called like the model
         losses.append(loss_fn(logits, y).item())
     return sum(losses) / len(losses)
+
+
+def train_with_trainer(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor,
+                       args: argparse.Namespace) -> None:
+    """The same training through replica.get_trainer: windows of the corpus as a data set."""
+    windows = torch.Generator().manual_seed(args.seed)
+    x, y = get_batch(train_data, args.steps * args.batch_size, args.block_size, windows)  # (N, T), (N, T)
+    x_val, y_val = get_batch(val_data, 8 * args.batch_size, args.block_size, windows)
+    config = replica.defaults.default_config(
+        num_stages=args.num_stages, num_microbatches=args.num_microbatches, schedule=args.schedule,
+        batch_size=args.batch_size, seed=args.seed, log_every_steps=args.log_every,
+    )
+    trainer = replica.get_trainer(config=config, model=model, loss=loss_fn,
+                                  optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
+    trainer.train_dataset(x, y, epochs=1)
+    print(f"val loss {trainer.evaluate(x_val, y_val):.4f}")
 
 
 def main() -> None:
@@ -84,6 +102,10 @@ def main() -> None:
     )
     model = GPT(config)
     print(f"model: {model.num_parameters():,} parameters")
+
+    if args.trainer:
+        train_with_trainer(model, train_data, val_data, args)
+        return
 
     # Replica traces the model, prices it, cuts it into stages and schedules the micro-batches.
     x_example, _ = get_batch(train_data, args.batch_size, args.block_size, torch.Generator().manual_seed(0))
