@@ -29,7 +29,7 @@ from replica.pipeline.simulate import StageCosts, simulate
 
 __all__ = ["Candidate", "tune", "SCHEDULE_CHOICES"]
 
-SCHEDULE_CHOICES = ("1f1b", "zb-h1", "zb-v", "interleaved", "gpipe")
+SCHEDULE_CHOICES = ("1f1b", "zb-h1", "zb-v", "zb-interleaved", "interleaved", "gpipe")
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def tune(
                 if plan is None:
                     continue
                 for m in _microbatch_choices(per_replica, ranks, num_microbatches, stages):
-                    if name in INTERLEAVED and m % ranks:
+                    if name == "interleaved" and m % ranks:
                         continue
                     found = _evaluate(plan, name, ranks, replicas, m, device, memory_budget)
                     if found is not None:

@@ -133,3 +133,16 @@ def test_recompute_plans_hold_fewer_activations():
     again = replica.plan(model, inputs, num_stages=3, num_microbatches=8, device=COMPUTE_BOUND, recompute=True)
     assert again.stages[0].memory.activations < kept.stages[0].memory.activations
     assert again.stages[0].backward_time_s > kept.stages[0].backward_time_s
+
+
+@pytest.mark.parametrize("schedule,num_stages,num_microbatches", [
+    ("zb-h1", 3, 3), ("zb-v", 4, 4), ("zb-interleaved", 4, 3), ("interleaved", 4, 4), ("zb-v", 2, 1),
+])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_transparency_of_the_other_schedules(case, schedule, num_stages, num_microbatches):
+    model, inputs, target, loss_fn = CASES[case]()
+    ref, ref_loss = reference(model, inputs, target, loss_fn)
+    pm = replica.auto_parallel(model, inputs, num_stages=num_stages, num_microbatches=num_microbatches,
+                               schedule=schedule, loss_fn=loss_fn, device=COMPUTE_BOUND)
+    torch.testing.assert_close(pm.train_step(inputs, target), ref_loss)
+    assert_same_grads(pm, ref)

@@ -303,3 +303,16 @@ def test_weight_actions_for_some_pairs_only_are_rejected():
 def test_zero_ranks_is_an_error():
     with pytest.raises(replica.ScheduleError, match="num_ranks"):
         make_schedule("interleaved", 4, 4, 0)
+
+
+def test_zero_bubble_interleaved_golden_grid():
+    from replica.pipeline.schedule import zero_bubble_interleaved
+
+    assert format_grid(zero_bubble_interleaved(2, 4, 4), 4) == docstring_grid(zero_bubble_interleaved)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(p=st.integers(1, 4), v=st.integers(2, 3), m=st.integers(1, 10))
+def test_zero_bubble_interleaved_is_valid_with_any_durations(p, v, m):
+    for durations in ((1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 2.0, 0.5)):
+        validate(make_schedule("zb-interleaved", p * v, m, p, durations=durations), p * v, m)

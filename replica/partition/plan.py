@@ -114,7 +114,7 @@ class Plan:
 
     @property
     def stages_per_rank(self) -> int:
-        return 2 if self.schedule in ("interleaved", "zb-v") else 1
+        return 2 if self.schedule in ("interleaved", "zb-interleaved", "zb-v") else 1
 
     @property
     def bubble_fraction(self) -> float:

@@ -18,7 +18,7 @@ from replica.errors import ScheduleError
 
 __all__ = [
     "Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zero_bubble_h1",
-    "zero_bubble_v", "list_schedule", "SCHEDULES", "INTERLEAVED", "V_SHAPED", "make_schedule",
+    "zero_bubble_v", "zero_bubble_interleaved", "list_schedule", "SCHEDULES", "INTERLEAVED", "V_SHAPED", "make_schedule",
     "stages_per_rank", "splits_backward", "max_in_flight", "WEIGHT_SHARE", "durations_of",
     "validate", "placement", "execution_order", "format_grid",
 ]
@@ -270,10 +270,34 @@ def zero_bubble_v(
                          durations=durations)
 
 
+def zero_bubble_interleaved(
+    num_ranks: int, num_stages: int, num_microbatches: int, *,
+    durations: tuple[float, float, float] = (1.0, 1.0, 1.0),
+) -> Schedule:
+    """Interleaved zero bubble: looped placement (rank r holds stages r, r + P, ...), split
+    backward, W in the bubbles; each rank admits as many micro-batches into its first stage
+    as interleaved 1F1B keeps in flight there. For 2 ranks, 4 stages, 4 micro-batches::
+
+        rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 2W0 0B0 2B1 0W0 0B1 0F3 2F2 2W1 0W1 2B2 2W2 0B2 2F3 0W2 ... 2B3 2W3 0B3 0W3
+        rank 1: ... 1F0 1F1 3F0 3B0 3F1 1B0 3B1 3W0 1B1 1W0 1F2 3W1 3F2 3B2 1W1 1B2 1F3 3W2 3F3 3B3 1W2 1B3 3W3 1W3
+    """
+    _check(num_stages, num_microbatches)
+    p = num_ranks
+    if p < 1 or num_stages % p or num_stages == p:
+        raise ScheduleError(
+            f"interleaved zero bubble needs num_stages a multiple (>= 2x) of the {p} pipeline ranks, got "
+            f"num_stages={num_stages}; use num_stages={2 * p}"
+        )
+    v = num_stages // p
+    admit = [min(num_microbatches, (p - r - 1) * 2 // v + p) for r in range(p)]
+    return list_schedule([s % p for s in range(num_stages)], num_microbatches, split_backward=True, admit=admit,
+                         durations=durations)
+
+
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1,
 }
-INTERLEAVED = {"interleaved": interleaved_one_f_one_b}
+INTERLEAVED = {"interleaved": interleaved_one_f_one_b, "zb-interleaved": zero_bubble_interleaved}
 V_SHAPED = {"zb-v": zero_bubble_v}
 
 
@@ -298,7 +322,8 @@ def make_schedule(
         raise ScheduleError(f"num_ranks must be >= 1, got {num_ranks}")
     if key in INTERLEAVED:
         ranks = num_ranks or max(1, num_stages // stages_per_rank(key))
-        schedule = INTERLEAVED[key](ranks, num_stages, num_microbatches)
+        extra = {"durations": durations} if durations and key == "zb-interleaved" else {}
+        schedule = INTERLEAVED[key](ranks, num_stages, num_microbatches, **extra)
     elif key in V_SHAPED:
         if num_ranks not in (None, num_stages // 2) or num_stages % 2:
             raise ScheduleError(

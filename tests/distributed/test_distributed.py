@@ -295,6 +295,18 @@ def zero_bubble_v() -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
+def zero_bubble_interleaved() -> list[list[dict]]:
+    """Tiny GPT, 4 stages looped over 2 ranks, split backward (zb-interleaved), 3 micro-batches."""
+    return _run(transparency_job, 2, "tiny_gpt", 8, 4, 3, ("zb-interleaved",))
+
+
+def test_zero_bubble_interleaved_two_stages_per_rank(zero_bubble_interleaved):
+    reports = [r[0] for r in zero_bubble_interleaved]
+    assert [r["stages"] for r in reports] == [[0, 2], [1, 3]]
+    torch.testing.assert_close(reports[0]["tied_grad"], reports[1]["tied_grad"], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
 def zero_bubble_unet() -> list[list[dict]]:
     """U-Net's long skips under ZB-H1 on 3 ranks (split backward: B now, W later)."""
     return _run(transparency_job, 3, "unet", 8, 3, 4, ("zb-h1",))
