@@ -79,3 +79,21 @@ def test_in_place_ops_are_priced():
     traced = trace(InPlace(), (torch.randn(3, 4),))
     times = profile(traced.module, (torch.randn(3, 4),), repeats=1)
     assert set(times) == {n.name for n in traced.graph.op_nodes}
+
+
+def test_times_are_cached_per_op_signature(tmp_path, monkeypatch):
+    monkeypatch.setenv("REPLICA_CACHE_DIR", str(tmp_path))
+    model, inputs, _, _ = models.mlp(4)
+    traced = trace(model, inputs)
+    first = profile(traced.module, inputs, repeats=1)
+    files = list(tmp_path.glob("profile-*.json"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    again = profile(traced.module, inputs, repeats=1)
+    assert again == first  # read back, not re-timed
+
+
+def test_the_cache_can_be_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("REPLICA_CACHE_DIR", str(tmp_path))
+    model, inputs, _, _ = models.mlp(4)
+    profile(trace(model, inputs).module, inputs, repeats=1, cache=False)
+    assert not list(tmp_path.glob("profile-*.json"))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -40,22 +44,47 @@ def _leaf(x: Any) -> Any:
     return x
 
 
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"T{tuple(value.shape)}{str(value.dtype)[6:]}{'g' if value.requires_grad else ''}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_describe(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_describe(v)}" for k, v in sorted(value.items())) + "}"
+    return repr(value) if isinstance(value, (int, float, bool, str, type(None))) else type(value).__name__
+
+
 class _Profiler(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, repeats: int) -> None:
+    def __init__(self, gm: fx.GraphModule, repeats: int, cache: dict[str, list[float]]) -> None:
         super().__init__(gm)
         self.repeats = repeats
         self.times: dict[str, OpTimes] = {}
+        self.cache = cache
+
+    def signature(self, n: fx.Node, args: Any, kwargs: Any) -> str:
+        """What an op's time depends on: the op, its module's type and weights, its inputs' shapes."""
+        if n.op == "call_module":
+            module = self.module.get_submodule(str(n.target))
+            what = f"{type(module).__name__}{_describe([p for p in module.parameters()])}{module.extra_repr()}"
+        else:
+            what = f"{n.op}:{getattr(n.target, '__name__', str(n.target))}"
+        return f"{what}|{_describe(args)}|{_describe(kwargs)}"
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in ("call_function", "call_method", "call_module"):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         call = getattr(self, n.op)
-        forward_s = _best(lambda: call(n.target, args, kwargs), self.repeats)
-        backward_s = 0.0
-        if torch.is_grad_enabled():
-            backward_s = self._backward(n, call, args, kwargs)
-        self.times[n.name] = OpTimes(forward_s, backward_s)
+        key = self.signature(n, args, kwargs)
+        if key in self.cache:  # timed before with these shapes on this device
+            self.times[n.name] = OpTimes(*self.cache[key])
+        else:
+            forward_s = _best(lambda: call(n.target, args, kwargs), self.repeats)
+            backward_s = 0.0
+            if torch.is_grad_enabled():
+                backward_s = self._backward(n, call, args, kwargs)
+            self.times[n.name] = OpTimes(forward_s, backward_s)
+            self.cache[key] = [forward_s, backward_s]
         with torch.no_grad():
             return call(n.target, args, kwargs)
 
@@ -81,18 +110,52 @@ class _Profiler(fx.Interpreter):
                      self.repeats)
 
 
-def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3) -> dict[str, OpTimes]:
+def _cache_file() -> Path:
+    device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name().replace(" ", "-")
+    name = f"profile-{device}-{torch.get_num_threads()}t-torch{torch.__version__}.json"
+    return Path(os.environ.get("REPLICA_CACHE_DIR", Path.home() / ".cache" / "replica")) / name
+
+
+def _load_cache(use: bool) -> dict[str, list[float]]:
+    if not use:
+        return {}
+    try:
+        data = json.loads(_cache_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(cache: dict[str, list[float]], use: bool) -> None:
+    if not use:
+        return
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(cache, f)
+        os.replace(f.name, path)
+    except OSError:
+        pass  # a read-only home still profiles, just every time
+
+
+def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3, cache: bool = True) -> dict[str, OpTimes]:
     """Run ``gm`` op by op on ``inputs`` (one micro-batch, real tensors on the device the
     model lives on), timing each op's forward and backward as the best of ``repeats``;
     again on half of it, to tell the fixed cost of a call from the work per sample.
 
     Gradients are computed with ``torch.autograd.grad``: nothing accumulates into ``.grad``.
+    With ``cache``, times are kept per op signature (op, weights, input shapes) and device in
+    ``~/.cache/replica`` (``REPLICA_CACHE_DIR``): a repeated op, or a re-plan, is not re-timed.
     """
-    times = _times(gm, inputs, repeats)
+    store = _load_cache(cache)
+    times = _times(gm, inputs, repeats, store)
     half = _halve(inputs)
     if half is None:
+        _save_cache(store, cache)
         return times
-    small = _times(gm, half, repeats)
+    small = _times(gm, half, repeats, store)
+    _save_cache(store, cache)
     # t(b) = fixed + b * slope from the two sizes b and b/2: fixed = 2 t(b/2) - t(b)
     return {
         name: OpTimes(t.forward_s, t.backward_s,
@@ -113,8 +176,8 @@ def _halve(inputs: Sequence[Any]) -> tuple[Any, ...] | None:
     return tuple(x[:n] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in inputs)
 
 
-def _times(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int) -> dict[str, OpTimes]:
-    profiler = _Profiler(gm, repeats)
+def _times(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int, cache: dict[str, list[float]]) -> dict[str, OpTimes]:
+    profiler = _Profiler(gm, repeats, cache)
     with torch.enable_grad():
         profiler.run(*inputs)
     return {
