@@ -20,8 +20,8 @@ from replica.partition.mutation import make_writes_explicit, view_writes
 
 __all__ = ["Traced", "trace", "normalize_inputs"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_REPLICA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_REPLICA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 # Ops that only re-label memory: they move no bytes worth pricing.
 _VIEW_OPS = frozenset(

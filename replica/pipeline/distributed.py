@@ -311,7 +311,11 @@ class DistributedRuntime:
                 if stage.is_last:
                     loss = loss_fn(out, targets[i])
                     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                        raise PipelineError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+                        raise PipelineError(
+                            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                            f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}"
+                            "; reduce it inside loss_fn (e.g. .mean(), or reduction='mean')"
+                        )
                     losses[i] = loss.reshape(()) * weights[i]
             elif action.kind == BACKWARD:
                 sink = deferred[(action.stage_index, i)] = WeightGrads() if self.split_backward else None

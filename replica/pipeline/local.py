@@ -104,6 +104,7 @@ class LocalRuntime:
                         raise PipelineError(
                             f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                             f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}"
+                            "; reduce it inside loss_fn (e.g. .mean(), or reduction='mean')"
                         )
                     produced[key] = loss.reshape(()) * weights[i]
                     losses.append(produced[key].detach())
