@@ -23,7 +23,7 @@ from replica.errors import ConfigError, PartitionError
 from replica.partition.cost import CostModel
 from replica.partition.graph import INPUT, OP, Graph, Node, TensorInfo
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
-from replica.partition.solver import Transfer, interval_costs, solve
+from replica.partition.solver import Transfer, add_rectangle, interval_costs, solve
 
 __all__ = ["MemoryModel", "partition", "fingerprint", "in_flight_microbatches", "MAX_EXACT_POSITIONS"]
 
@@ -241,6 +241,15 @@ def _budgets(memory_budget: float | Sequence[float] | None, models: list[CostMod
     return values
 
 
+def _add_reads(d: np.ndarray, first: int, reads: list[int], n: int, amount: float) -> None:
+    """Add ``amount`` to every stage [i, j) (i > first) holding one of the sorted ``reads``,
+    once, in the 2-D difference array ``d``: split by the first read at or after i."""
+    prev = first
+    for s in reads:
+        add_rectangle(d, prev + 1, s, s + 1, n, amount)
+        prev = s
+
+
 def _memory_matrices(
     graph: Graph, seg_of: np.ndarray, num_seg: int, memory_model: MemoryModel, m: int, fraction: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -258,13 +267,7 @@ def _memory_matrices(
         info = graph.parameters[name]
         numel = info.nbytes // max(1, TensorInfo((), info.dtype).nbytes)
         held = info.nbytes if info.is_buffer else 2 * info.nbytes + memory_model.optimizer_bytes(numel)
-        prev = -1
-        for s in sorted(set(where)):  # held by stage [i, j) iff some use falls inside it
-            d[prev + 1, s + 1] += held
-            d[prev + 1, n + 1] -= held
-            d[s + 1, s + 1] -= held
-            d[s + 1, n + 1] += held
-            prev = s
+        _add_reads(d, -1, sorted(set(where)), n, held)  # held by [i, j) iff some use falls inside
     static = np.cumsum(np.cumsum(d, axis=0), axis=1)[: n + 1, : n + 1]
     per_seg = np.zeros(n)
     for i, x in enumerate(nodes):
@@ -276,14 +279,8 @@ def _memory_matrices(
     recv_d = np.zeros((n + 2, n + 2))
     for i, x in enumerate(nodes):
         readers = sorted({int(seg_of[index[u]]) for u in x.users} - {int(seg_of[i])})
-        prev = int(seg_of[i])
-        for s in readers:  # received by [i, j) iff the producer is before i and a reader inside
-            b = x.output_bytes * fraction
-            recv_d[prev + 1, s + 1] += b
-            recv_d[prev + 1, n + 1] -= b
-            recv_d[s + 1, s + 1] -= b
-            recv_d[s + 1, n + 1] += b
-            prev = s
+        # received by [i, j) iff the producer is before i and a reader inside
+        _add_reads(recv_d, int(seg_of[i]), readers, n, x.output_bytes * fraction)
     recv = np.cumsum(np.cumsum(recv_d, axis=0), axis=1)[: n + 1, : n + 1]
     return static, activation, recv
 

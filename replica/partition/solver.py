@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["Transfer", "Partition", "interval_costs", "solve", "brute_force"]
+__all__ = ["Transfer", "Partition", "interval_costs", "solve", "brute_force", "add_rectangle"]
 
 INF = float("inf")
 
@@ -50,7 +50,7 @@ class Partition:
         return len(self.bounds) - 1
 
 
-def _add_rect(d: np.ndarray, r0: int, r1: int, c0: int, c1: int, w: float) -> None:
+def add_rectangle(d: np.ndarray, r0: int, r1: int, c0: int, c1: int, w: float) -> None:
     """Add ``w`` to rows r0..r1 × cols c0..c1 (inclusive) of a 2-D difference array."""
     if r0 > r1 or c0 > c1:
         return
@@ -75,12 +75,12 @@ def interval_costs(item_costs: Sequence[float], transfers: Sequence[Transfer] = 
             continue
         p = t.producer
         # sent: producer in [i, j), some consumer at >= j  ->  i <= p < j <= last
-        _add_rect(d, 0, p, p + 1, later[-1], t.cost)
+        add_rectangle(d, 0, p, p + 1, later[-1], t.cost)
         # received: producer < i, some consumer c in [i, j); split by the first
         # consumer at or after i so each (i, j) is counted once.
         prev = p
         for c in later:
-            _add_rect(d, prev + 1, c, c + 1, n, t.cost)
+            add_rectangle(d, prev + 1, c, c + 1, n, t.cost)
             prev = c
     comm = np.cumsum(np.cumsum(d, axis=0), axis=1)[: n + 1, : n + 1]
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(item_costs, dtype=float))])

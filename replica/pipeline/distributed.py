@@ -19,7 +19,7 @@ import torch.distributed as dist
 from replica.errors import PipelineError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
-from replica.pipeline.local import StepResult, run_stage
+from replica.pipeline.local import StepResult, run_stage, weighted_loss
 from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule, placement, splits_backward
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
 from replica.pipeline.weightgrad import WeightGrads, collecting
@@ -309,14 +309,7 @@ class DistributedRuntime:
             if action.kind == FORWARD:
                 out = self._forward(step, action, microbatches[i], train=True)
                 if stage.is_last:
-                    loss = loss_fn(out, targets[i])
-                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                        raise PipelineError(
-                            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                            f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}"
-                            "; reduce it inside loss_fn (e.g. .mean(), or reduction='mean')"
-                        )
-                    losses[i] = loss.reshape(()) * weights[i]
+                    losses[i] = weighted_loss(loss_fn, out, targets[i], weights[i])
             elif action.kind == BACKWARD:
                 sink = deferred[(action.stage_index, i)] = WeightGrads() if self.split_backward else None
                 with collecting(sink):

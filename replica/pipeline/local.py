@@ -46,6 +46,18 @@ def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool) -> Any
     return stage.module(*args)
 
 
+def weighted_loss(loss_fn: LossFn, out: Any, target: Any, weight: float) -> torch.Tensor:
+    """A micro-batch's loss, checked to be a scalar, times its share of the batch."""
+    loss = loss_fn(out, target)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise PipelineError(
+            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+            f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}"
+            "; reduce it inside loss_fn (e.g. .mean(), or reduction='mean')"
+        )
+    return loss.reshape(()) * weight
+
+
 class LocalRuntime:
     """Executes a schedule's actions over ``stages`` (all in this process)."""
 
@@ -99,14 +111,7 @@ class LocalRuntime:
                 out = run_stage(stage, args, self.recompute)
                 received[key] = args
                 if stage.is_last:
-                    loss = loss_fn(out, targets[i])
-                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                        raise PipelineError(
-                            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                            f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}"
-                            "; reduce it inside loss_fn (e.g. .mean(), or reduction='mean')"
-                        )
-                    produced[key] = loss.reshape(()) * weights[i]
+                    produced[key] = weighted_loss(loss_fn, out, targets[i], weights[i])
                     losses.append(produced[key].detach())
                     if keep_outputs:
                         outputs[i] = out.detach() if isinstance(out, torch.Tensor) else out
