@@ -14,12 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import replica  # noqa: E402
-from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+from benchmarks.plan_175b import plan_175b  # noqa: E402
+from examples.gpt.model import GPTConfig  # noqa: E402
 
 MODELS = {
     "small": (GPTConfig(block_size=1024, vocab_size=50257, n_layer=24, n_head=16, n_embd=1024), 64),
@@ -28,11 +27,7 @@ MODELS = {
 
 
 def predict(config: GPTConfig, world: int, batch: int) -> replica.Plan:
-    with torch.device("meta"):
-        model = GPT(config).to(torch.bfloat16)
-    tokens = torch.empty(batch, config.block_size, dtype=torch.long, device="meta")
-    return replica.plan(model, (tokens,), world_size=world, device="a100-80gb", mixed_precision=True,
-                        schedule="auto")
+    return plan_175b(world, batch, config)  # the same meta-only planning, any GPT size
 
 
 def main() -> None:
