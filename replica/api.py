@@ -185,6 +185,7 @@ def plan(
     optimizer: str = "adam",
     mixed_precision: bool = False,
     recompute: bool | None = None,
+    tracer: str = "auto",
 ) -> Plan:
     """Plan only: trace ``model`` (meta tensors welcome), price it on ``device`` and cut it.
 
@@ -198,12 +199,14 @@ def plan(
     weights + gradients + ``optimizer`` state (+ fp32 master weights with
     ``mixed_precision``) + in-flight activations of every stage; ``recompute`` keeps only
     stage inputs and recomputes activations in backward (None: the tuner decides, else off).
+    ``tracer``: ``"fx"``, ``"export"`` (``torch.export``, for what fx cannot trace) or
+    ``"auto"`` (fx, then export).
     """
     _check_count("world_size", world_size)
     _check_count("num_stages", num_stages)
     _check_count("num_microbatches", num_microbatches)
     schedule = _check_schedule(schedule)
-    traced = trace(model, example_inputs, leaf_modules=leaf_modules)
+    traced = trace(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
     inputs, _ = normalize_inputs(model, example_inputs)
     memory_model = MemoryModel(optimizer=optimizer, mixed_precision=mixed_precision)
     planner = _Planner(traced, model, inputs, device=device, cost=cost, memory_budget=memory_budget,
@@ -343,6 +346,7 @@ def auto_parallel(
     cost: str = "auto",
     memory_budget: float | Sequence[float] | None = None,
     recompute: bool | None = None,
+    tracer: str = "auto",
     timeout_s: float = 300.0,
 ) -> "PipelineModel":
     """Trace, price, partition and split ``model`` into a pipeline.
@@ -357,7 +361,7 @@ def auto_parallel(
     losses, or ``"sum"``); the pipeline weighs micro-batches so the gradient equals
     the whole batch's. ``plan`` reuses a plan (e.g. ``Plan.from_json``) instead of
     solving again; ``schedule`` defaults to ``"1f1b"`` (or the plan's). ``cost`` is as for
-    :func:`plan`, and so are ``memory_budget`` and ``recompute``. ``timeout_s`` bounds every wait on
+    :func:`plan`, and so are ``memory_budget``, ``recompute`` and ``tracer``. ``timeout_s`` bounds every wait on
     another rank.
     """
     if not isinstance(model, torch.nn.Module):
@@ -387,7 +391,7 @@ def auto_parallel(
         raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-    traced = trace(model, example_inputs, leaf_modules=leaf_modules)
+    traced = trace(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
     inputs, _ = normalize_inputs(model, example_inputs)
     world = dist.get_world_size() if _distributed() else 1
     if plan is None and world > 1 and num_stages is not None and schedule != "auto":
@@ -462,7 +466,7 @@ class PipelineModel:
             topology = Topology(dist.get_rank(), dist.get_world_size(), num_pipeline_ranks)
             device = next(model.parameters()).device
             boundary = [b.name for s in plan.stages for b in s.outputs]
-            oracle = ShapeOracle(traced.module, boundary, device)
+            oracle = ShapeOracle(traced.module, boundary, device, traced.out_spec)
             self.runtime = DistributedRuntime(self.all_stages, self.schedule, plan, topology, oracle,
                                               timeout_s=timeout_s, device=device, recompute=plan.recompute)
             self.stages = [s for s in self.all_stages if s.stage_index in self.runtime.stages]

@@ -348,11 +348,15 @@ class NanoGPT(nn.Module):
 
 def test_nanogpt_assert_points_at_the_user_line():
     with pytest.raises(replica.TraceError) as info:
-        trace(NanoGPT(), (torch.randint(0, 16, (2, 8)),))
+        trace(NanoGPT(), (torch.randint(0, 16, (2, 8)),), tracer="fx")
     msg = str(info.value)
     assert "NanoGPT" in msg
     assert line_of(NanoGPT.forward, "assert t <= self.block_size") in msg
     assert "leaf_modules" in msg and "assert" in msg
+
+
+def test_nanogpt_assert_is_traced_by_export_when_fx_fails():
+    assert trace(NanoGPT(), (torch.randint(0, 16, (2, 8)),)).tracer == "export"
 
 
 def test_trace_error_is_a_value_error():

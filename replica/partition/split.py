@@ -11,9 +11,11 @@ and a tied weight held by two stages is the same ``Parameter``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_unflatten
 
 from replica.errors import ConfigError
 from replica.partition.mutation import mutated_inputs
@@ -36,6 +38,12 @@ class StageModule:
     output_destinations: tuple[tuple[int, ...], ...]
     is_first: bool
     is_last: bool
+
+
+def _unflatten(spec: Any) -> Any:
+    def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
+        return tree_unflatten(list(out), spec)
+    return hook
 
 
 def split(traced: Traced, plan: Plan) -> list[StageModule]:
@@ -81,6 +89,8 @@ def split(traced: Traced, plan: Plan) -> list[StageModule]:
             g.output(tuple(env[b.name] for b in s.outputs))
         g.lint()
         module = fx.GraphModule(gm, g, class_name=f"Stage{k}")
+        if is_last and traced.out_spec is not None:  # exported graphs return flat outputs
+            module.register_forward_hook(_unflatten(traced.out_spec))
         stages.append(StageModule(
             stage_index=k,
             module=module,

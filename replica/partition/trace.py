@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from replica.errors import ConfigError, TraceError
 from replica.partition.graph import INPUT, OP, OUTPUT, Graph, Node, ParameterInfo, TensorInfo
+from replica.partition.export import export_graph_module
 from replica.partition.mutation import make_writes_explicit, view_writes
 
 __all__ = ["Traced", "trace", "normalize_inputs"]
@@ -38,6 +39,8 @@ class Traced:
     module: fx.GraphModule
     graph: Graph
     concrete_args: dict[str, Any]
+    out_spec: Any = None  # with torch.export: the output's tree spec (stages return it flat)
+    tracer: str = "fx"
 
 
 def normalize_inputs(model: torch.nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -163,6 +166,23 @@ def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Se
     return gm
 
 
+def _export_trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                  fx_error: TraceError | None) -> tuple[fx.GraphModule, Any]:
+    """torch.export's graph of ``model``, or a TraceError with both tracers' reasons."""
+    try:
+        gm, spec = export_graph_module(model, inputs)
+    except Exception as exc:  # export raises many kinds (UserError, GuardOnDataDependent, ...)
+        first = f"torch.fx: {fx_error}\n" if fx_error is not None else ""
+        raise TraceError(
+            f"neither tracer could capture {type(model).__name__}.\n{first}torch.export: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}\n  at {_user_frame(exc)}\n"
+            "Fix: remove control flow that depends on tensor values (torch.where / masks instead of `if`), "
+            "or keep the offending sub-module whole with leaf_modules=[...] (fx keeps leaves opaque)."
+        ) from exc
+    make_writes_explicit(gm)
+    return gm, spec
+
+
 def _tensor_info(value: Any) -> tuple[TensorInfo, ...]:
     return tuple(
         TensorInfo(tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."))
@@ -275,8 +295,10 @@ def trace(
     example_inputs: Any,
     *,
     leaf_modules: Iterable[type | str | torch.nn.Module] = (),
+    tracer: str = "auto",
 ) -> Traced:
-    """Trace ``model`` with ``torch.fx`` and build Replica's :class:`Graph`.
+    """Trace ``model`` with ``torch.fx`` (or, where fx fails, ``torch.export``) and build
+    Replica's :class:`Graph`. ``tracer`` is ``"fx"``, ``"export"`` or ``"auto"`` (fx first).
 
     ``leaf_modules`` are module classes, qualified names or sub-modules kept whole
     (not traced into). Inputs on the ``meta`` device (or fake tensors) propagate shapes without
@@ -284,8 +306,22 @@ def trace(
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if tracer not in ("auto", "fx", "export"):
+        raise ConfigError(f"tracer must be 'auto', 'fx' or 'export', got {tracer!r}")
     inputs, concrete = normalize_inputs(model, example_inputs)
-    gm = _fx_trace(model, concrete, tuple(leaf_modules))
+    out_spec = None
+    used = "fx"
+    if tracer == "export":
+        gm, out_spec = _export_trace(model, inputs, None)
+        used = "export"
+    else:
+        try:
+            gm = _fx_trace(model, concrete, tuple(leaf_modules))
+        except TraceError as fx_error:
+            if tracer == "fx":
+                raise
+            gm, out_spec = _export_trace(model, inputs, fx_error)
+            used = "export"
     names, infos = _named_tensors(model)
     recorder = _record(gm, inputs, names)
     pinned = view_writes(gm)
@@ -340,6 +376,7 @@ def trace(
             )
         stack = n.meta.get("nn_module_stack") or {}
         path = str(n.target) if n.op == "call_module" else (next(reversed(stack.values()))[0] if stack else "")
+        path = "" if path.startswith("_") else path
         kind = INPUT if n.op == "placeholder" else OUTPUT if n.op == "output" else OP
         nodes.append(Node(
             name=n.name, kind=kind, target=op, module_path=path, inputs=tuple(dict.fromkeys(inputs_)),
@@ -347,4 +384,4 @@ def trace(
             flops=recorder.flops.get(n.name, 0.0), bytes_accessed=moved,
             parameters=tuple(dict.fromkeys(params)), buffers=tuple(dict.fromkeys(bufs)),
         ))
-    return Traced(gm, Graph(nodes, infos, model_name=type(model).__name__), concrete)
+    return Traced(gm, Graph(nodes, infos, model_name=type(model).__name__), concrete, out_spec, used)

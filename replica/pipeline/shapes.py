@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_unflatten
 
 from replica.errors import PipelineError
 
@@ -55,8 +56,9 @@ def _localize(value: Any, device: torch.device) -> Any:
 class ShapeOracle:
     """``oracle(inputs)[name]``: a :class:`TensorMeta` or the Python value, per boundary value."""
 
-    def __init__(self, gm: fx.GraphModule, names: Sequence[str], device: torch.device) -> None:
+    def __init__(self, gm: fx.GraphModule, names: Sequence[str], device: torch.device, out_spec: Any = None) -> None:
         self.meta_module = _meta_copy(gm)
+        self.out_spec = out_spec  # exported graphs return flat outputs: the model's structure
         self.names = frozenset(names)
         self.device = device
         self._cache: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -100,8 +102,8 @@ class ShapeOracle:
             ) from exc
         out: dict[str, Any] = {}
         for name, value in found.items():
-            if name == "output":
-                out[name] = value  # the model's output structure, as meta tensors
+            if name == "output":  # the model's output structure, as meta tensors
+                out[name] = value if self.out_spec is None else tree_unflatten(list(value), self.out_spec)
             elif isinstance(value, torch.Tensor):
                 out[name] = TensorMeta(tuple(value.shape), value.dtype,
                                        value.requires_grad and value.dtype.is_floating_point)

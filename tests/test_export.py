@@ -1,0 +1,101 @@
+"""The torch.export path: models torch.fx cannot trace still split, with exact gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import replica
+from replica.partition.trace import trace
+from tests.conftest import COMPUTE_BOUND
+
+
+class ShapeBranch(nn.Module):
+    """A Python branch on a shape: fx cannot trace it, export specialises it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.ones(16))
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(ids)  # (B, T, 16)
+        if x.shape[-1] == 16:
+            x = x * self.scale
+        h = x + torch.relu(self.l1(x))
+        h = h + torch.tanh(self.l2(h))
+        return {"logits": self.head(h), "hidden": h}
+
+
+def dict_loss(out: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out["logits"].flatten(0, 1), target.flatten())
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # depends on values: neither tracer can capture it
+            return self.l(x)
+        return -self.l(x)
+
+
+def batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 32, (n, 6), generator=g), torch.randint(0, 32, (n, 6), generator=g)
+
+
+def test_auto_falls_back_to_export():
+    ids, _ = batch()
+    traced = trace(ShapeBranch(), (ids,))
+    assert traced.tracer == "export"
+    assert {"embed.weight", "l1.weight", "l2.bias", "scale"} <= set(traced.graph.parameters)
+    assert traced.graph.parameters["embed.weight"].aliases == ("head.weight",)
+    assert any(n.module_path == "l1" for n in traced.graph.op_nodes)
+
+
+def test_fx_only_raises_with_the_fix():
+    ids, _ = batch()
+    with pytest.raises(replica.TraceError, match="torch.fx could not trace"):
+        trace(ShapeBranch(), (ids,), tracer="fx")
+
+
+def test_neither_tracer_names_both_reasons():
+    with pytest.raises(replica.TraceError) as err:
+        trace(DataDependent(), (torch.randn(2, 4),))
+    message = str(err.value)
+    assert "torch.fx:" in message and "torch.export:" in message and "Fix:" in message
+
+
+def test_unknown_tracer():
+    with pytest.raises(replica.ConfigError, match="tracer must be"):
+        trace(ShapeBranch(), batch()[:1], tracer="jit")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_exported_models_train_exactly(schedule, num_stages):
+    torch.manual_seed(0)
+    model = ShapeBranch()
+    ref = copy.deepcopy(model)
+    ids, target = batch()
+    ref_loss = dict_loss(ref(ids), target)
+    ref_loss.backward()
+    pm = replica.auto_parallel(model, (ids,), num_stages=num_stages, num_microbatches=3, schedule=schedule,
+                               loss_fn=dict_loss, device=COMPUTE_BOUND)
+    torch.testing.assert_close(pm.train_step(ids, target), ref_loss.detach())
+    grads = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m: f"{name}: {m}")
+    with torch.no_grad():
+        out = pm(ids)  # the model's own output type: a dict, re-assembled from micro-batches
+        torch.testing.assert_close(out["logits"], ref(ids)["logits"])
