@@ -156,6 +156,7 @@ class _Planner:
         return dataclasses.replace(
             result, data_parallel_size=replicas, predicted_step_time_s=timeline.step_time_s,
             simulated_bubble=timeline.bubble_fraction,
+            pipeline_ranks=len(schedule_data),
             model_flops=3 * self.traced.graph.total_flops * batch_fraction * replicas,
             device_peak_flops=self.spec.datasheet_flops,  # 0 for a CPU: no utilisation figure
         )
@@ -423,7 +424,7 @@ def auto_parallel(
         if world > 1:
             plan = _agree_on_plan(plan, traced)
         assert plan is not None
-        ranks = max(1, plan.num_stages // stages_per_rank(plan.schedule))
+        ranks = plan.pipeline_ranks or max(1, plan.num_stages // stages_per_rank(plan.schedule))
         return PipelineModel(model, traced, plan, num_inputs=len(inputs), loss_fn=loss_fn,
                              loss_reduction=loss_reduction, num_pipeline_ranks=ranks, timeout_s=timeout_s)
     except RuntimeError as exc:  # a collective of the set-up failed: a peer died or hung

@@ -87,3 +87,18 @@ def test_a_96_layer_gpt_cuts_into_64_stages_in_under_a_second():
     assert time.perf_counter() - start < 1.5  # the 1 s, with room for a loaded CI machine
     assert p.num_stages == 64 and not p.exact and p.lower_bound_s > 0
     assert "lower bound" in p.summary()
+
+
+def test_bad_budgets_are_errors(gpt_graph):
+    with pytest.raises(replica.ConfigError, match="memory_budget must be > 0"):
+        plan(gpt_graph, memory_budget=0)
+    with pytest.raises(replica.ConfigError, match="memory_budget has 3 entries for num_stages=2"):
+        plan(gpt_graph, memory_budget=[1e9, 1e9, 1e9])
+    with pytest.raises(replica.ConfigError, match="3 device cost models for num_stages=2"):
+        plan(gpt_graph, cost=[CostModel(COMPUTE_BOUND)] * 3)
+
+
+def test_plans_know_their_pipeline_ranks():
+    model, inputs, _, _ = models.tiny_gpt(8)
+    assert replica.plan(model, inputs, num_stages=4, schedule="zb-v", device=COMPUTE_BOUND).stages_per_rank == 2
+    assert replica.plan(model, inputs, num_stages=2, device=COMPUTE_BOUND).stages_per_rank == 1

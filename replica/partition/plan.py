@@ -96,6 +96,7 @@ class Plan:
     device_peak_flops: float = 0.0
     recompute: bool = False
     simulated_bubble: float = -1.0
+    pipeline_ranks: int = 0  # 0: one stage per rank
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -114,7 +115,7 @@ class Plan:
 
     @property
     def stages_per_rank(self) -> int:
-        return 2 if self.schedule in ("interleaved", "zb-interleaved", "zb-v") else 1
+        return self.num_stages // self.pipeline_ranks if self.pipeline_ranks else 1
 
     @property
     def bubble_fraction(self) -> float:

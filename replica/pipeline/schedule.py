@@ -53,6 +53,17 @@ def _check(num_stages: int, num_microbatches: int) -> None:
         )
 
 
+def _check_looped(what: str, num_ranks: int, num_stages: int, num_microbatches: int) -> None:
+    """Looped placement needs several stages on every rank."""
+    _check(num_stages, num_microbatches)
+    p = num_ranks
+    if p < 1 or num_stages % p or num_stages == p:
+        raise ScheduleError(
+            f"{what} needs num_stages a multiple (>= 2x) of the {p} pipeline ranks, got "
+            f"num_stages={num_stages}; use num_stages={2 * p} (2 stages per rank) or the '1f1b' schedule"
+        )
+
+
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     """All forwards, then all backwards. Rank r holds stage r. For 3 stages, 4 micro-batches
     (one column a time step, ``...`` idle)::
@@ -100,13 +111,8 @@ def interleaved_one_f_one_b(num_ranks: int, num_stages: int, num_microbatches: i
         rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 ... 2B2 ... 2B3 0B2 0B3
         rank 1: ... 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3 ...
     """
-    _check(num_stages, num_microbatches)
+    _check_looped("interleaved 1F1B", num_ranks, num_stages, num_microbatches)
     p = num_ranks
-    if p < 1 or num_stages % p or num_stages == p:
-        raise ScheduleError(
-            f"interleaved 1F1B needs num_stages a multiple (>= 2x) of the {p} pipeline ranks, got "
-            f"num_stages={num_stages}; use num_stages={2 * p} (2 stages per rank) or the '1f1b' schedule"
-        )
     if num_microbatches % p:
         raise ScheduleError(
             f"interleaved 1F1B needs num_microbatches a multiple of the {p} pipeline ranks, got "
@@ -281,13 +287,8 @@ def zero_bubble_interleaved(
         rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 2W0 0B0 2B1 0W0 0B1 0F3 2F2 2W1 0W1 2B2 2W2 0B2 2F3 0W2 ... 2B3 2W3 0B3 0W3
         rank 1: ... 1F0 1F1 3F0 3B0 3F1 1B0 3B1 3W0 1B1 1W0 1F2 3W1 3F2 3B2 1W1 1B2 1F3 3W2 3F3 3B3 1W2 1B3 3W3 1W3
     """
-    _check(num_stages, num_microbatches)
+    _check_looped("interleaved zero bubble", num_ranks, num_stages, num_microbatches)
     p = num_ranks
-    if p < 1 or num_stages % p or num_stages == p:
-        raise ScheduleError(
-            f"interleaved zero bubble needs num_stages a multiple (>= 2x) of the {p} pipeline ranks, got "
-            f"num_stages={num_stages}; use num_stages={2 * p}"
-        )
     v = num_stages // p
     admit = [min(num_microbatches, (p - r - 1) * 2 // v + p) for r in range(p)]
     return list_schedule([s % p for s in range(num_stages)], num_microbatches, split_backward=True, admit=admit,
