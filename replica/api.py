@@ -15,7 +15,8 @@ from replica.partition.partitioner import MemoryModel, fingerprint, partition
 from replica.partition.plan import Plan
 from replica.partition.profile import profile
 from replica.partition.split import StageModule, split
-from replica.partition.trace import Traced, normalize_inputs, trace
+from replica.partition.modes import following, frozen_mode_ops
+from replica.partition.trace import Traced, trace
 from replica.pipeline import microbatch
 from replica.pipeline.distributed import DistributedRuntime, Topology
 from replica.pipeline.local import LocalRuntime
@@ -173,8 +174,9 @@ def _wants_tuning(num_stages: int | None, num_microbatches: int | None, schedule
 
 def plan(
     model: torch.nn.Module,
-    example_inputs: Any,
+    example_inputs: Any = (),
     *,
+    example_kwargs: dict[str, Any] | None = None,
     world_size: int | None = None,
     num_stages: int | None = None,
     num_microbatches: int | None = None,
@@ -207,8 +209,8 @@ def plan(
     _check_count("num_stages", num_stages)
     _check_count("num_microbatches", num_microbatches)
     schedule = _check_schedule(schedule)
-    traced = trace(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
-    inputs, _ = normalize_inputs(model, example_inputs)
+    traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer=tracer)
+    inputs = traced.example
     memory_model = MemoryModel(optimizer=optimizer, mixed_precision=mixed_precision)
     planner = _Planner(traced, model, inputs, device=device, cost=cost, memory_budget=memory_budget,
                        memory_model=memory_model, num_microbatches=num_microbatches,
@@ -333,8 +335,9 @@ def _agree_on_plan(plan: Plan | None, traced: Traced) -> Plan:
 
 def auto_parallel(
     model: torch.nn.Module,
-    example_inputs: Any,
+    example_inputs: Any = (),
     *,
+    example_kwargs: dict[str, Any] | None = None,
     num_stages: int | None = None,
     num_microbatches: int | None = None,
     schedule: str | None = None,
@@ -392,8 +395,8 @@ def auto_parallel(
         raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-    traced = trace(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
-    inputs, _ = normalize_inputs(model, example_inputs)
+    traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer=tracer)
+    inputs = traced.example
     world = dist.get_world_size() if _distributed() else 1
     if plan is None and world > 1 and num_stages is not None and schedule != "auto":
         _layout(schedule, num_stages, data_parallel_size, world)  # on every rank: num_stages must fit the world
@@ -425,7 +428,7 @@ def auto_parallel(
             plan = _agree_on_plan(plan, traced)
         assert plan is not None
         ranks = plan.pipeline_ranks or max(1, plan.num_stages // stages_per_rank(plan.schedule))
-        return PipelineModel(model, traced, plan, num_inputs=len(inputs), loss_fn=loss_fn,
+        return PipelineModel(model, traced, plan, loss_fn=loss_fn,
                              loss_reduction=loss_reduction, num_pipeline_ranks=ranks, timeout_s=timeout_s)
     except RuntimeError as exc:  # a collective of the set-up failed: a peer died or hung
         raise PipelineError(
@@ -444,7 +447,6 @@ class PipelineModel:
         traced: Traced,
         plan: Plan,
         *,
-        num_inputs: int,
         loss_fn: LossFn | None,
         loss_reduction: str,
         num_pipeline_ranks: int,
@@ -454,7 +456,9 @@ class PipelineModel:
         self.plan = plan
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
-        self.num_inputs = num_inputs
+        self.input_spec = traced.inputs
+        self._traced_training = traced.training
+        self._frozen_mode = frozen_mode_ops(traced.module)
         self.all_stages: list[StageModule] = split(traced, plan)
         self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_pipeline_ranks,
                                       durations=plan_durations(plan))
@@ -489,33 +493,38 @@ class PipelineModel:
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
     # --- running ---------------------------------------------------------------------
-    def _inputs(self, inputs: Any) -> tuple[Any, ...]:
-        args = inputs if isinstance(inputs, tuple) else tuple(inputs) if isinstance(inputs, list) else (inputs,)
-        if len(args) != self.num_inputs:
-            raise ConfigError(
-                f"the pipeline was traced with {self.num_inputs} input(s) but got {len(args)}; pass the same "
-                "arguments as example_inputs (a tensor, or a tuple with one tensor per input)"
-            )
-        return args
+    def _pack(self, inputs: Any, kwargs: dict[str, Any], what: str = "inputs") -> tuple[Any, ...]:
+        """The graph's inputs for a call: ``inputs`` a tensor, a tuple or list of them
+        (positional), or a dict (keywords, like ``model(**batch)``); ``kwargs`` more keywords."""
+        if isinstance(inputs, dict):
+            args, kwargs = (), {**inputs, **kwargs}
+        else:
+            args = inputs if isinstance(inputs, tuple) else tuple(inputs) if isinstance(inputs, list) else (inputs,)
+        assert self.input_spec is not None
+        return self.input_spec.pack(args, kwargs, what)
 
     def _microbatches(self, args: tuple[Any, ...], what: str = "inputs") -> list[tuple[Any, ...]]:
         return microbatch.split(args, self.plan.num_microbatches, what)
 
-    def __call__(self, *inputs: Any) -> Any:
-        """Pipelined forward; the output backpropagates into the model like ``model(*inputs)``'s."""
-        args = self._inputs(inputs)
-        return microbatch.merge(self.runtime.forward(self._microbatches(args)))
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Pipelined forward, called like the model (positional and keyword inputs as traced);
+        the output, in the model's own type, backpropagates into the model like ``model(...)``'s."""
+        args = self._pack(inputs, kwargs)
+        self._check_mode()
+        with following(self.model):
+            return microbatch.merge(self.runtime.forward(self._microbatches(args)))
 
-    def train_step(self, inputs: Any, target: Any) -> torch.Tensor:
+    def train_step(self, inputs: Any, target: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of every micro-batch. Each parameter's ``.grad`` receives the
         gradient of the whole batch's loss (accumulated, as ``loss.backward()`` would);
-        returns that loss, detached."""
+        returns that loss, detached. ``inputs`` are as the model takes them: a tensor, a tuple
+        of positional inputs, or a dict of keyword inputs; ``kwargs`` add keyword inputs."""
         if self.loss_fn is None:
             raise PipelineError(
                 "train_step needs a loss: pass loss_fn=callable(output, target) -> scalar to "
                 "replica.auto_parallel(...), e.g. loss_fn=torch.nn.functional.cross_entropy"
             )
-        args = self._inputs(inputs)
+        args = self._pack(inputs, kwargs)
         mbs = self._microbatches(args)
         n_in = microbatch.batch_size(args)
         n_target = microbatch.batch_size([target], "target")
@@ -523,7 +532,21 @@ class PipelineModel:
             raise ConfigError(f"inputs have a batch of {n_in} samples but target has {n_target}; they must match")
         targets = [t[0] for t in microbatch.split([target], self.plan.num_microbatches, "target")]
         weights = microbatch.loss_weights(mbs, self.loss_reduction)
-        return self.runtime.train_step(mbs, targets, self.loss_fn, weights).loss
+        self._check_mode()
+        with following(self.model):
+            return self.runtime.train_step(mbs, targets, self.loss_fn, weights).loss
+
+    def _check_mode(self) -> None:
+        """Dropout follows ``train()``/``eval()``; ops frozen at trace time cannot."""
+        if self.model.training != self._traced_training and self._frozen_mode:
+            mode = "training" if self.model.training else "eval"
+            traced = "training" if self._traced_training else "eval"
+            raise PipelineError(
+                f"{type(self.model).__name__} is in {mode} mode but was traced in {traced} mode, and ops "
+                f"{self._frozen_mode[:3]} (batch norm) keep the traced mode's behaviour. Call "
+                f"model.{'train' if self._traced_training else 'eval'}() first, or plan a second pipeline "
+                f"with the model in {mode} mode."
+            )
 
     @property
     def is_last_stage_here(self) -> bool:

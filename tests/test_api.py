@@ -256,7 +256,7 @@ def test_wrong_arity_at_auto_parallel(mlp):
 def test_wrong_arity_at_train_step(pm, mlp):
     _, inputs, target, _ = mlp
     msg = error(replica.ConfigError, pm.train_step, (inputs[0], inputs[0]), target)
-    assert "traced with 1 input(s) but got 2" in msg and "example_inputs" in msg
+    assert "traced with 1 positional input(s) but the inputs have 2" in msg and "example_inputs" in msg
 
 
 def test_wrong_arity_at_forward(pm, mlp):

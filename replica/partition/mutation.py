@@ -9,7 +9,9 @@ and a write through a view (or ``x[i] = y``) pins its base to the writer's stage
 from __future__ import annotations
 
 import operator
+from typing import Any
 
+import torch
 import torch.fx as fx
 
 __all__ = ["mutates_first_argument", "make_writes_explicit", "view_writes", "mutated_inputs"]
@@ -31,6 +33,22 @@ def _name(n: fx.Node) -> str:
     return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
 
 
+def _first_alias(n: fx.Node) -> Any:
+    """The alias annotation of an aten op's first argument (exported graphs): ``Tensor(a!)``
+    is written into, ``Tensor(a)`` is viewed; None for other targets."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return None
+    arguments = n.target._schema.arguments
+    return arguments[0].alias_info if arguments else None
+
+
+def _is_view(n: fx.Node) -> bool:
+    alias = _first_alias(n)
+    if alias is not None:
+        return not alias.is_write
+    return n.op in ("call_method", "call_function") and _name(n) in VIEWS
+
+
 def mutates_first_argument(n: fx.Node, gm: fx.GraphModule) -> bool:
     """Whether ``n`` writes into its first argument (``x.add_``, ``relu(inplace=True)``, ``x += y``)."""
     if n.op == "call_module":
@@ -39,6 +57,9 @@ def mutates_first_argument(n: fx.Node, gm: fx.GraphModule) -> bool:
         name = str(n.target)
         return name.endswith("_") and not name.startswith("_")
     if n.op == "call_function":
+        alias = _first_alias(n)
+        if alias is not None:
+            return bool(alias.is_write)
         if n.target in INPLACE_FUNCTIONS or n.kwargs.get("inplace", False):
             return True
         name = getattr(n.target, "__name__", "")
@@ -76,7 +97,7 @@ def view_writes(gm: fx.GraphModule) -> dict[str, str]:
             base = root.get(x.name)
             if base is not None or n.target is operator.setitem:
                 out[n.name] = base or x.name
-        elif n.op in ("call_method", "call_function") and _name(n) in VIEWS:
+        elif _is_view(n):
             root[n.name] = root.get(x.name, x.name)
     return out
 
@@ -92,6 +113,6 @@ def mutated_inputs(nodes: list[fx.Node], received: set[str], gm: fx.GraphModule)
             continue
         if mutates_first_argument(n, gm):
             mutated.add(root[x.name])
-        elif n.op in ("call_method", "call_function") and _name(n) in VIEWS:
+        elif _is_view(n):
             root[n.name] = root[x.name]
     return mutated

@@ -14,6 +14,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from replica.partition.mutation import mutates_first_argument
+
 __all__ = ["OpTimes", "profile"]
 
 
@@ -29,11 +31,14 @@ class OpTimes:
     backward_fixed_s: float | None = None
 
 
-def _best(fn: Callable[[], Any], repeats: int) -> float:
+def _best(fn: Callable[..., Any], repeats: int, fresh: Callable[[], Any] | None = None) -> float:
+    """Best of ``repeats`` timed calls; ``fresh()`` (untimed) makes each call's argument, for
+    ops that write into their input and must not see their own earlier writes."""
     best = float("inf")
     for _ in range(repeats):
+        arg = () if fresh is None else (fresh(),)
         start = time.perf_counter()
-        fn()
+        fn(*arg)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -79,7 +84,11 @@ class _Profiler(fx.Interpreter):
         if key in self.cache:  # timed before with these shapes on this device
             self.times[n.name] = OpTimes(*self.cache[key])
         else:
-            forward_s = _best(lambda: call(n.target, args, kwargs), self.repeats)
+            if mutates_first_argument(n, self.module) and isinstance(args[0], torch.Tensor):
+                first, rest = args[0], tuple(args[1:])  # time writes into copies: the value stays as it was
+                forward_s = _best(lambda x: call(n.target, (x, *rest), kwargs), self.repeats, first.clone)
+            else:
+                forward_s = _best(lambda: call(n.target, args, kwargs), self.repeats)
             backward_s = 0.0
             if torch.is_grad_enabled():
                 backward_s = self._backward(n, call, args, kwargs)
@@ -98,6 +107,8 @@ class _Profiler(fx.Interpreter):
         wrt = [w for w in wrt if isinstance(w, torch.Tensor) and w.requires_grad]
         if not wrt:
             return 0.0
+        if mutates_first_argument(n, self.module):  # in place: price its backward like its forward
+            return -1.0
         try:
             out = call(n.target, leaf_args, leaf_kwargs)
         except RuntimeError:  # an in-place op on a leaf: price its backward like its forward

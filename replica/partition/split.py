@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 
 from replica.errors import ConfigError
+from replica.partition.modes import uses_rng
 from replica.partition.mutation import mutated_inputs
 from replica.partition.partitioner import fingerprint
 from replica.partition.plan import Plan
@@ -38,6 +39,8 @@ class StageModule:
     output_destinations: tuple[tuple[int, ...], ...]
     is_first: bool
     is_last: bool
+    uses_rng: bool = False  # has random ops (dropout): run seeded per micro-batch
+    device: torch.device | None = None
 
 
 def _unflatten(spec: Any) -> Any:
@@ -100,5 +103,7 @@ def split(traced: Traced, plan: Plan) -> list[StageModule]:
             output_destinations=tuple(b.destination_stages for b in s.outputs),
             is_first=k == 0,
             is_last=is_last,
+            uses_rng=uses_rng(module),
+            device=next((t.device for t in [*module.parameters(), *module.buffers()]), None),
         ))
     return stages

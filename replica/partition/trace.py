@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import traceback
 from dataclasses import dataclass
@@ -11,12 +10,14 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from replica.errors import ConfigError, TraceError
 from replica.partition.graph import INPUT, OP, OUTPUT, Graph, Node, ParameterInfo, TensorInfo
 from replica.partition.export import export_graph_module
+from replica.partition.inputs import InputSpec, normalize_inputs
+from replica.partition.modes import follow_mode
 from replica.partition.mutation import make_writes_explicit, view_writes
 
 __all__ = ["Traced", "trace", "normalize_inputs"]
@@ -41,34 +42,9 @@ class Traced:
     concrete_args: dict[str, Any]
     out_spec: Any = None  # with torch.export: the output's tree spec (stages return it flat)
     tracer: str = "fx"
-
-
-def normalize_inputs(model: torch.nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Return ``example_inputs`` as a tuple checked against ``model.forward``'s signature,
-    with the defaults of the parameters not given (they are fixed while tracing)."""
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (
-        tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
-    )
-    for i, x in enumerate(inputs):
-        if not isinstance(x, torch.Tensor):
-            raise ConfigError(
-                f"example_inputs[{i}] is a {type(x).__name__}; Replica traces tensor inputs only. "
-                "Pass tensors (real, meta or fake) in the order of model.forward's arguments."
-            )
-    sig = inspect.signature(model.forward)
-    params = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    variadic = any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values())
-    required = [p for p in params if p.default is p.empty]
-    if len(inputs) < len(required) or (len(inputs) > len(params) and not variadic):
-        names = ", ".join(p.name for p in params)
-        raise ConfigError(
-            f"{type(model).__name__}.forward({names}) takes {len(required)}"
-            f"{'' if len(required) == len(params) else f' to {len(params)}'} positional inputs, "
-            f"but example_inputs has {len(inputs)}. Pass a tuple with one tensor per argument, "
-            f"e.g. example_inputs=({', '.join(p.name for p in required)},)."
-        )
-    concrete = {p.name: p.default for p in params[len(inputs):]}
-    return inputs, concrete
+    inputs: InputSpec | None = None  # how calls map to the graph's inputs
+    training: bool = True  # the model's mode while tracing
+    example: tuple[Any, ...] = ()  # the graph's inputs while tracing (example_inputs, then keyword tensors)
 
 
 class _Tracer(fx.Tracer):
@@ -135,7 +111,8 @@ def _check_leaf_modules(model: torch.nn.Module, leaf_modules: Sequence[Any]) -> 
         )
 
 
-def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Sequence[Any]) -> fx.GraphModule:
+def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Sequence[Any],
+              order: Sequence[str] = ()) -> fx.GraphModule:
     _check_leaf_modules(model, leaf_modules)
     tracer = _Tracer(leaf_modules)
     try:
@@ -152,9 +129,12 @@ def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Se
             f"(`if`, `assert`, `int(x)`, loops over a tensor; use torch.where / masks instead), "
             f"or keep that module whole by passing {leaf_hint} to auto_parallel / plan."
         ) from exc
-    # Fixed default arguments leave placeholders between the asserts fx adds for them:
-    # move every placeholder to the front so inputs come first, as the graph IR promises.
+    # Fixed default arguments leave placeholders between the asserts fx adds for them: move
+    # every placeholder to the front, the graph's inputs first in call order (positional, then
+    # keywords as given), so inputs come first, as the graph IR promises.
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    rank = {name: i for i, name in enumerate(order)}
+    placeholders.sort(key=lambda n: rank.get(str(n.target), len(rank)))
     anchor = next(iter(graph.nodes))
     for ph in placeholders:
         if ph is not anchor:
@@ -166,11 +146,13 @@ def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Se
     return gm
 
 
-def _export_trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                  fx_error: TraceError | None) -> tuple[fx.GraphModule, Any]:
-    """torch.export's graph of ``model``, or a TraceError with both tracers' reasons."""
+def _export_trace(model: torch.nn.Module, inputs: tuple[Any, ...], spec: InputSpec,
+                  fx_error: TraceError | None) -> tuple[fx.GraphModule, Any, tuple[torch.Tensor, ...]]:
+    """torch.export's graph of ``model`` (its inputs: every tensor leaf, flat), or a TraceError
+    with both tracers' reasons. Records in ``spec`` how calls map to the flat inputs."""
+    args, kwargs = inputs[: spec.positional], dict(zip(spec.keywords, inputs[spec.positional:]))
     try:
-        gm, spec = export_graph_module(model, inputs)
+        gm, out_spec, fixed = export_graph_module(model, args, kwargs, spec.constants)
     except Exception as exc:  # export raises many kinds (UserError, GuardOnDataDependent, ...)
         first = f"torch.fx: {fx_error}\n" if fx_error is not None else ""
         raise TraceError(
@@ -180,7 +162,9 @@ def _export_trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
             "or keep the offending sub-module whole with leaf_modules=[...] (fx keeps leaves opaque)."
         ) from exc
     make_writes_explicit(gm)
-    return gm, spec
+    spec.flat = True
+    spec.fixed_dims = fixed
+    return gm, out_spec, tuple(tree_leaves(inputs))
 
 
 def _tensor_info(value: Any) -> tuple[TensorInfo, ...]:
@@ -258,9 +242,9 @@ def _resolve(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
-def _fake_inputs(inputs: tuple[torch.Tensor, ...], device: torch.device, mode: FakeTensorMode) -> list[torch.Tensor]:
+def _fake_inputs(inputs: tuple[Any, ...], device: torch.device, mode: FakeTensorMode) -> tuple[Any, ...]:
     with mode:
-        return [torch.empty(x.shape, dtype=x.dtype, device=device) for x in inputs]
+        return tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device=device), inputs)
 
 
 def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[int, str]) -> _Recorder:
@@ -269,10 +253,10 @@ def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[in
     recorder = _Recorder(gm, names)
     tensors = list(gm.parameters()) + list(gm.buffers())
     device = tensors[0].device if tensors else (inputs[0].device if inputs else torch.device("cpu"))
-    fake_inputs = any(x.device.type == "meta" or type(x).__name__ == "FakeTensor" for x in inputs)
+    fake_inputs = any(x.device.type == "meta" or type(x).__name__ == "FakeTensor" for x in tree_leaves(inputs))
     try:
         if device.type == "meta":
-            recorder.run(*[x.to("meta") for x in inputs])
+            recorder.run(*tree_map(lambda x: x.to("meta"), inputs))
         elif fake_inputs:
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             args = _fake_inputs(inputs, device, mode)
@@ -294,34 +278,38 @@ def trace(
     model: torch.nn.Module,
     example_inputs: Any,
     *,
+    example_kwargs: dict[str, Any] | None = None,
     leaf_modules: Iterable[type | str | torch.nn.Module] = (),
     tracer: str = "auto",
 ) -> Traced:
     """Trace ``model`` with ``torch.fx`` (or, where fx fails, ``torch.export``) and build
     Replica's :class:`Graph`. ``tracer`` is ``"fx"``, ``"export"`` or ``"auto"`` (fx first).
 
-    ``leaf_modules`` are module classes, qualified names or sub-modules kept whole
-    (not traced into). Inputs on the ``meta`` device (or fake tensors) propagate shapes without
-    computing or allocating anything, so any model size can be traced.
+    ``example_kwargs`` are keyword inputs: tensors become graph inputs after the positional
+    ones, anything else (``use_cache=False``) is fixed in the graph. ``leaf_modules`` are
+    module classes, qualified names or sub-modules kept whole (not traced into). Inputs on
+    the ``meta`` device (or fake tensors) propagate shapes without computing or allocating
+    anything, so any model size can be traced.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if tracer not in ("auto", "fx", "export"):
         raise ConfigError(f"tracer must be 'auto', 'fx' or 'export', got {tracer!r}")
-    inputs, concrete = normalize_inputs(model, example_inputs)
+    inputs, concrete, spec = normalize_inputs(model, example_inputs, example_kwargs)
     out_spec = None
     used = "fx"
     if tracer == "export":
-        gm, out_spec = _export_trace(model, inputs, None)
+        gm, out_spec, inputs = _export_trace(model, inputs, spec, None)
         used = "export"
     else:
         try:
-            gm = _fx_trace(model, concrete, tuple(leaf_modules))
+            gm = _fx_trace(model, concrete, tuple(leaf_modules), [*spec.arg_names, *spec.keywords])
         except TraceError as fx_error:
             if tracer == "fx":
                 raise
-            gm, out_spec = _export_trace(model, inputs, fx_error)
+            gm, out_spec, inputs = _export_trace(model, inputs, spec, fx_error)
             used = "export"
+    follow_mode(gm)  # dropout obeys model.train() / .eval() after tracing, per module
     names, infos = _named_tensors(model)
     recorder = _record(gm, inputs, names)
     pinned = view_writes(gm)
@@ -384,4 +372,5 @@ def trace(
             flops=recorder.flops.get(n.name, 0.0), bytes_accessed=moved,
             parameters=tuple(dict.fromkeys(params)), buffers=tuple(dict.fromkeys(bufs)),
         ))
-    return Traced(gm, Graph(nodes, infos, model_name=type(model).__name__), concrete, out_spec, used)
+    return Traced(gm, Graph(nodes, infos, model_name=type(model).__name__), concrete, out_spec, used, spec,
+                  model.training, inputs)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from replica.errors import PipelineError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
-from replica.pipeline.local import StepResult, run_stage, weighted_loss
+from replica.pipeline.local import RandomStreams, StepResult, run_stage, weighted_loss
 from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule, placement, splits_backward
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
 from replica.pipeline.weightgrad import WeightGrads, collecting
@@ -96,6 +96,7 @@ class DistributedRuntime:
         me = topology.pipeline_rank
         self.actions: list[Action] = list(schedule[me])
         self.stages = {s.stage_index: s for s in stages if self.place[s.stage_index] == me}
+        self.random = RandomStreams(stages, replica=topology.data_parallel_rank)
         # One channel per (value, reading stage) that crosses ranks; a message's tag is
         # derived from its channel, micro-batch and direction, identically on every rank.
         self.channels: dict[tuple[str, int], int] = {}
@@ -234,7 +235,7 @@ class DistributedRuntime:
                     value = self._received(step, (name, stage.stage_index, i, FWD), action, src)
                 values.append(value.detach().requires_grad_(train and m.requires_grad))
             args = tuple(values)
-        out = run_stage(stage, args, self.recompute and train)
+        out = run_stage(stage, args, self.recompute and train, self.random.seed(stage.stage_index, i))
         if not stage.is_last:
             for name, readers, value in zip(stage.output_names, stage.output_destinations, out):
                 if not isinstance(value, torch.Tensor):
@@ -299,6 +300,7 @@ class DistributedRuntime:
             stash[id(p)] = p.grad
             p.grad = None
         step = _Step(metas=[self.oracle(mb) for mb in microbatches])
+        self.random.new_step()
         self._post_receives(step, m, train=True)
         losses: dict[int, torch.Tensor] = {}
         deferred: dict[tuple[int, int], WeightGrads] = {}
@@ -369,6 +371,7 @@ class DistributedRuntime:
         """Pipelined inference: the last stage's outputs, broadcast to every pipeline rank."""
         m = len(microbatches)
         step = _Step(metas=[self.oracle(mb) for mb in microbatches])
+        self.random.new_step()
         self._post_receives(step, m, train=False)
         outputs: list[Any] = [None] * m
         forwards = sorted((a for a in self.actions if a.kind == FORWARD),

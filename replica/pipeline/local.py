@@ -14,11 +14,12 @@ import torch
 import torch.utils.checkpoint
 
 from replica.errors import PipelineError
+from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
 from replica.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule, execution_order, splits_backward
 from replica.pipeline.weightgrad import WeightGrads, collecting
 
-__all__ = ["LocalRuntime", "StepResult"]
+__all__ = ["LocalRuntime", "StepResult", "RandomStreams"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -38,12 +39,31 @@ def _as_leaf(value: Any) -> Any:
     return value
 
 
-def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool) -> Any:
+def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool, seed: int | None = None) -> Any:
     """A stage's forward; with ``recompute`` only its inputs are kept and the forward runs
-    again inside backward (``torch.utils.checkpoint``, RNG state preserved)."""
-    if recompute and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
-    return stage.module(*args)
+    again inside backward (``torch.utils.checkpoint``, RNG state preserved). ``seed`` seeds
+    the random ops of a stage that has any (see :class:`RandomStreams`)."""
+    with seeded(seed if stage.uses_rng else None, stage.device):
+        if recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
+        return stage.module(*args)
+
+
+class RandomStreams:
+    """Seeds for the random ops of a step: one per (stage, micro-batch, replica), derived from
+    one number drawn from torch's default generator when the step starts, so a seeded run
+    gives the same result under any schedule, placement or recompute."""
+
+    def __init__(self, stages: Sequence[StageModule], replica: int = 0) -> None:
+        self.used = any(s.uses_rng for s in stages)  # over every stage, so each rank draws alike
+        self.replica = replica
+        self.base: int | None = None
+
+    def new_step(self) -> None:
+        self.base = int(torch.randint(0, 2**62, ()).item()) if self.used else None
+
+    def seed(self, stage: int, microbatch: int) -> int | None:
+        return None if self.base is None else microbatch_seed(self.base, stage, microbatch, self.replica)
 
 
 def weighted_loss(loss_fn: LossFn, out: Any, target: Any, weight: float) -> torch.Tensor:
@@ -67,16 +87,18 @@ class LocalRuntime:
         self.schedule = schedule
         self.order: list[Action] = execution_order(schedule, len(self.stages))
         self.split_backward = splits_backward(schedule)
+        self.random = RandomStreams(self.stages)
 
     def forward(self, microbatches: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Pipelined forward without cutting autograd: the result backpropagates like the model's."""
         outputs = []
-        for inputs in microbatches:
+        self.random.new_step()
+        for i, inputs in enumerate(microbatches):
             values: dict[str, Any] = {}
             out: Any = None
             for stage in self.stages:
                 args = inputs if stage.is_first else tuple(values[n] for n in stage.input_names)
-                out = stage.module(*args)
+                out = run_stage(stage, args, False, self.random.seed(stage.stage_index, i))
                 if not stage.is_last:
                     values.update(zip(stage.output_names, out))
             outputs.append(out)
@@ -99,6 +121,7 @@ class LocalRuntime:
         losses: list[torch.Tensor] = []
         outputs: list[Any] = [None] * m
         deferred: dict[tuple[int, int], WeightGrads] = {}
+        self.random.new_step()
         for action in self.order:
             stage = self.stages[action.stage_index]
             i = action.microbatch_index
@@ -108,7 +131,7 @@ class LocalRuntime:
                     args = microbatches[i]
                 else:
                     args = tuple(_as_leaf(values[i][n]) for n in stage.input_names)
-                out = run_stage(stage, args, self.recompute)
+                out = run_stage(stage, args, self.recompute, self.random.seed(stage.stage_index, i))
                 received[key] = args
                 if stage.is_last:
                     produced[key] = weighted_loss(loss_fn, out, targets[i], weights[i])

@@ -27,20 +27,29 @@ class WeightGrads:
     """The deferred weight-gradient work of one (stage, micro-batch) backward."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, bool]] = []
 
     def __len__(self) -> int:
         return len(self.pending)
 
     def apply(self) -> None:
         """Accumulate every recorded weight and bias gradient into ``.grad``."""
-        for weight, bias, x, dy in self.pending:
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            if weight.requires_grad:
-                _accumulate(weight, dy2.t().mm(x.reshape(-1, x.shape[-1])))
-            if bias is not None and bias.requires_grad:
-                _accumulate(bias, dy2.sum(0))
+        for weight, bias, x, dy, transposed in self.pending:
+            dw, db = _weight_grads(x, dy, transposed, weight.requires_grad, bias is not None and bias.requires_grad)
+            if dw is not None:
+                _accumulate(weight, dw)
+            if db is not None and bias is not None:
+                _accumulate(bias, db)
         self.pending.clear()
+
+
+def _weight_grads(x: torch.Tensor, dy: torch.Tensor, transposed: bool, weight: bool,
+                  bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``dW`` (``dy^T x``, or ``x^T dy`` for an (in, out) weight) and ``db`` (``sum dy``)."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    dw = (x2.t().mm(dy2) if transposed else dy2.t().mm(x2)) if weight else None
+    return dw, dy2.sum(0) if bias else None
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -63,41 +72,54 @@ def collecting(sink: WeightGrads | None) -> Iterator[None]:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                transposed: bool) -> torch.Tensor:
         ctx.save_for_backward(x)
         # The parameters themselves, not saved-tensor copies: under activation checkpointing a
         # saved tensor comes back as a recomputed alias, and W must accumulate into the Parameter.
-        ctx.weight, ctx.bias = weight, bias
+        ctx.weight, ctx.bias, ctx.transposed = weight, bias, transposed
+        if transposed:  # (in, out) weight, as GPT-2's Conv1D: addmm(bias, x, weight)
+            return torch.addmm(bias, x, weight) if bias is not None else x.mm(weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        weight, bias = ctx.weight, ctx.bias
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        weight, bias, transposed = ctx.weight, ctx.bias, ctx.transposed
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy.mm(weight.t()) if transposed else dy.matmul(weight)
         sink = getattr(_active, "sink", None)
         if sink is not None:
-            sink.pending.append((weight, bias, x, dy))
-            return dx, None, None
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dw = dy2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        db = dy2.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-        return dx, dw, db
+            sink.pending.append((weight, bias, x, dy, transposed))
+            return dx, None, None, None
+        dw, db = _weight_grads(x, dy, transposed, ctx.needs_input_grad[1],
+                               bias is not None and ctx.needs_input_grad[2])
+        return dx, dw, db, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose weight gradient can be deferred; plain ``F.linear`` when no grad is needed."""
     if not torch.is_grad_enabled() or not (weight.requires_grad or x.requires_grad):
         return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias)
+    return _Linear.apply(x, weight, bias, False)
 
 
-torch.fx.wrap("linear")  # keep it one node if a rewritten module is ever traced again
+def addmm(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.addmm(bias, x, weight)`` (a linear with an (in, out) weight) whose weight
+    gradient can be deferred."""
+    if not torch.is_grad_enabled() or not (weight.requires_grad or x.requires_grad):
+        return torch.addmm(bias, x, weight)
+    return _Linear.apply(x, weight, bias, True)
+
+
+torch.fx.wrap("linear")  # keep them one node if a rewritten module is ever traced again
+torch.fx.wrap("addmm")
 
 
 def defer_linear_weight_grads(module: fx.GraphModule) -> int:
-    """Route every ``nn.Linear`` and ``F.linear`` of ``module`` through :func:`linear`.
-    Returns how many were rewritten."""
+    """Route every ``nn.Linear`` and ``F.linear`` of ``module`` through :func:`linear`, and every
+    ``addmm(bias, x, weight)`` of two parameters through :func:`addmm`. Returns how many."""
     graph = module.graph
     count = 0
     for n in list(graph.nodes):
@@ -107,9 +129,13 @@ def defer_linear_weight_grads(module: fx.GraphModule) -> int:
                 bias = graph.get_attr(f"{n.target}.bias") if module.get_submodule(str(n.target)).bias is not None \
                     else None
                 new = graph.call_function(linear, (n.args[0], weight, bias))
-        elif n.op == "call_function" and n.target in (F.linear, torch._C._nn.linear):
+        elif n.op == "call_function" and n.target in (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default):
             with graph.inserting_before(n):
                 new = graph.call_function(linear, n.args, dict(n.kwargs))
+        elif n.op == "call_function" and n.target in (torch.addmm, torch.ops.aten.addmm.default) and not n.kwargs \
+                and len(n.args) == 3 and all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (n.args[0], n.args[2])):
+            with graph.inserting_before(n):  # bias + x @ weight with both weights parameters
+                new = graph.call_function(addmm, n.args)
         else:
             continue
         n.replace_all_uses_with(new)
