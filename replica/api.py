@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
+from torch.utils._pytree import tree_leaves
 import torch.distributed as dist
 
 from replica.errors import ConfigError, PipelineError
@@ -84,7 +85,7 @@ def _default_microbatches(batch: int, num_stages: int) -> int:
 
 
 def _is_real(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
-    tensors = [*inputs, *model.parameters()]
+    tensors = [*tree_leaves(inputs), *model.parameters()]
     return all(t.device.type != "meta" and type(t).__name__ != "FakeTensor" for t in tensors)
 
 

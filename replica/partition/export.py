@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_map, tree_unflatten
 
 __all__ = ["export_graph_module"]
@@ -65,7 +66,7 @@ def _fixed_dims(ep: Any, num_inputs: int) -> tuple[dict[int, int], ...]:
         if n.op == "placeholder" and n.name in user:
             val = n.meta.get("val")
             shape = getattr(val, "shape", ())
-            out.append({d: int(s) for d, s in enumerate(shape) if d > 0 and isinstance(s, int)})
+            out.append({d: int(s) for d, s in enumerate(shape) if d > 0 and is_concrete_int(s)})
     return tuple(out[:num_inputs])
 
 

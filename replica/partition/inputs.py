@@ -56,6 +56,10 @@ class InputSpec:
 
     def pack(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], what: str = "inputs") -> tuple[Any, ...]:
         """The graph's input tuple for ``model(*args, **kwargs)``; a ConfigError names any mismatch."""
+        named = list(self.arg_names[len(args):])  # model(**batch) names the positional ones too
+        if named and all(n in kwargs for n in named):
+            args = (*args, *(kwargs[n] for n in named))
+            kwargs = {k: v for k, v in kwargs.items() if k not in named}
         if len(args) != self.positional:
             raise ConfigError(
                 f"the pipeline of {self.model_name} was traced with {self.positional} positional input(s) but "

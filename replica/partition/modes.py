@@ -36,6 +36,7 @@ _FUNCTIONAL_DROPOUTS = {F.dropout: "dropout", F.dropout1d: "dropout1d", F.dropou
 _KINDS = {"dropout": F.dropout, "dropout1d": F.dropout1d, "dropout2d": F.dropout2d, "dropout3d": F.dropout3d,
           "alpha": F.alpha_dropout, "feature_alpha": F.feature_alpha_dropout}
 _FROZEN = {torch.ops.aten._native_batch_norm_legit_no_training.default, torch.ops.aten._native_batch_norm_legit.no_stats}
+_NORMS = {F.batch_norm, F.instance_norm, torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
 _RANDOM = re.compile(r"(^|[._])(dropout\w*|rand\w*|bernoulli\w*|normal\w*|uniform\w*|multinomial|randperm|"
                      r"exponential_|geometric_|cauchy_|log_normal_|rrelu\w*)($|[._])")
 
@@ -122,9 +123,9 @@ def frozen_mode_ops(gm: fx.GraphModule) -> list[str]:
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in _FROZEN:
             out.append(n.name)
-        elif n.op == "call_function" and n.target in (F.batch_norm, F.instance_norm) and isinstance(
+        elif n.op == "call_function" and n.target in _NORMS and isinstance(
                 n.kwargs.get("training", n.args[5] if len(n.args) > 5 else None), bool):
-            out.append(n.name)
+            out.append(n.name)  # the training flag is argument 5 of each
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -135,6 +136,10 @@ def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Se
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     rank = {name: i for i, name in enumerate(order)}
     placeholders.sort(key=lambda n: rank.get(str(n.target), len(rank)))
+    for ph in placeholders:  # the fixed ones (fx names them `scale_1`) default to their traced value
+        base = re.sub(r"_\d+$", "", str(ph.target))
+        if str(ph.target) not in rank and base in concrete:
+            ph.args = (concrete[base],)
     anchor = next(iter(graph.nodes))
     for ph in placeholders:
         if ph is not anchor:
