@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -300,7 +301,7 @@ def test_loss_fn_returning_a_non_scalar(mlp):
     pm = replica.auto_parallel(mlp.model, mlp.example_inputs, num_stages=2, num_microbatches=2,
                                loss_fn=lambda out, target: out.pow(2), device=COMPUTE_BOUND)
     msg = error(replica.PipelineError, pm.train_step, mlp.example_inputs, mlp.target)
-    assert "scalar" in msg and "(4, 10)" in msg
+    assert "scalar" in msg and re.search(r"of shape \([45], 10\)", msg)
 
 
 def test_loss_fn_returning_a_number(mlp):

@@ -97,6 +97,7 @@ class Plan:
     recompute: bool = False
     simulated_bubble: float = -1.0
     pipeline_ranks: int = 0  # 0: one stage per rank
+    microbatch_shares: tuple[float, ...] = ()  # relative micro-batch sizes; () is even
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -167,6 +168,7 @@ class Plan:
             )
             data["tied_parameters"] = {k: tuple(v) for k, v in data["tied_parameters"].items()}
             data["alternatives"] = tuple((str(a), float(t)) for a, t in data.get("alternatives", ()))
+            data["microbatch_shares"] = tuple(float(x) for x in data.get("microbatch_shares", ()))
             return cls(stages=stages, **data)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(

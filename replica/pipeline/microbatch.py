@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from replica.errors import ConfigError
 
-__all__ = ["batch_size", "split", "loss_weights", "merge"]
+__all__ = ["batch_size", "sizes", "split", "loss_weights", "merge"]
 
 
 def batch_size(values: Sequence[Any], what: str = "inputs") -> int:
@@ -25,11 +25,33 @@ def batch_size(values: Sequence[Any], what: str = "inputs") -> int:
     return sizes.pop()
 
 
-def split(values: Sequence[Any], num_microbatches: int, what: str = "inputs") -> list[tuple[Any, ...]]:
+def sizes(n: int, num_microbatches: int, shares: Sequence[float] = ()) -> list[int]:
+    """Samples per micro-batch for a batch of ``n``: even (differing by at most one), or in
+    proportion to ``shares`` (largest remainders), every micro-batch at least one sample."""
+    m = num_microbatches
+    if not shares:
+        return [n // m + (1 if i < n % m else 0) for i in range(m)]
+    if len(shares) != m or min(shares) <= 0:
+        raise ConfigError(f"micro-batch shares {list(shares)} must be {m} positive numbers")
+    total = float(sum(shares))
+    exact = [n * s / total for s in shares]
+    out = [max(1, int(e)) for e in exact]
+    while sum(out) < n:  # hand out what rounding down kept back, largest remainder first
+        i = max(range(m), key=lambda j: exact[j] - out[j])
+        out[i] += 1
+    while sum(out) > n:  # the at-least-one rule overshot: take from the largest
+        i = max(range(m), key=lambda j: (out[j] - exact[j], out[j]))
+        out[i] -= 1
+    return out
+
+
+def split(values: Sequence[Any], num_microbatches: int, what: str = "inputs",
+          shares: Sequence[float] = ()) -> list[tuple[Any, ...]]:
     """Split every batched tensor of ``values`` into ``num_microbatches`` views along dim 0.
 
-    A batch that does not divide evenly gives micro-batches whose sizes differ by one
-    (``torch.tensor_split``); scalars and non-tensors are passed to every micro-batch.
+    Sizes follow :func:`sizes`: even by default (a batch that does not divide evenly gives
+    sizes that differ by one), or graded by ``shares`` (a plan's ``microbatch_shares``);
+    scalars and non-tensors are passed to every micro-batch.
     """
     n = batch_size(values, what)
     if not 1 <= num_microbatches <= n:
@@ -37,9 +59,10 @@ def split(values: Sequence[Any], num_microbatches: int, what: str = "inputs") ->
             f"num_microbatches={num_microbatches} but the {what} have a batch of {n}: each micro-batch needs "
             f"at least one sample. Use num_microbatches <= {n}, or a larger batch."
         )
+    counts = sizes(n, num_microbatches, shares)
     leaves, spec = tree_flatten(list(values))
     pieces = [
-        torch.tensor_split(v, num_microbatches, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0
+        torch.split(v, counts, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0
         else (v,) * num_microbatches
         for v in leaves
     ]

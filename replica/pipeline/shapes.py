@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_map, tree_unflatten
 
 from replica.errors import PipelineError
 
@@ -41,7 +41,15 @@ def _meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
         memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in gm.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(gm, memo)
+    meta = copy.deepcopy(gm, memo)
+    # Devices written into the graph (export records `.to(device=cpu)`, `arange(device=cpu)`)
+    # would pull meta tensors back to a real device: make them meta too.
+    to_meta = lambda v: torch.device("meta") if isinstance(v, torch.device) else v  # noqa: E731
+    for n in meta.graph.nodes:
+        n.args = tree_map(to_meta, n.args)
+        n.kwargs = tree_map(to_meta, n.kwargs)
+    meta.recompile()
+    return meta
 
 
 def _localize(value: Any, device: torch.device) -> Any:

@@ -60,9 +60,12 @@ class StageCosts:
     send_s: float = 0.0
     activation_bytes: int = 0
     static_bytes: int = 0
+    forward_fixed_s: float = 0.0  # the part of forward_s a smaller micro-batch does not save (launches)
+    backward_fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "weight_s", "send_s", "activation_bytes", "static_bytes"):
+        for name in ("forward_s", "backward_s", "weight_s", "send_s", "activation_bytes", "static_bytes",
+                     "forward_fixed_s", "backward_fixed_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"StageCosts.{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -179,25 +182,32 @@ def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageC
     return tuple(peaks)
 
 
-def _dependencies(a: Action, where: dict[int, int], costs: Sequence[StageCosts]) -> list[tuple[Action, float]]:
+def _dependencies(a: Action, where: dict[int, int], costs: Sequence[StageCosts],
+                  size: float = 1.0) -> list[tuple[Action, float]]:
     """What ``a`` waits for, each with the transfer delay after it ends."""
     s, kind, i = a
     here = where[s]
     if kind == FORWARD:
         if s == 0:
             return []
-        return [(Action(s - 1, FORWARD, i), costs[s - 1].send_s if where.get(s - 1, here) != here else 0.0)]
+        return [(Action(s - 1, FORWARD, i), costs[s - 1].send_s * size if where.get(s - 1, here) != here else 0.0)]
     if kind == BACKWARD:
         deps = [(Action(s, FORWARD, i), 0.0)]
         if s + 1 in where:
-            deps.append((Action(s + 1, BACKWARD, i), costs[s].send_s if where[s + 1] != here else 0.0))
+            deps.append((Action(s + 1, BACKWARD, i), costs[s].send_s * size if where[s + 1] != here else 0.0))
         return deps
     return [(Action(s, BACKWARD, i), 0.0)]
 
 
-def _duration(a: Action, costs: Sequence[StageCosts]) -> float:
+def _duration(a: Action, costs: Sequence[StageCosts], size: float = 1.0) -> float:
+    """Seconds of ``a`` on a micro-batch ``size`` times the even one: the fixed part, plus the
+    rest in proportion."""
     c = costs[a.stage_index]
-    return c.forward_s if a.kind == FORWARD else c.backward_s if a.kind == BACKWARD else c.weight_s
+    if a.kind == FORWARD:
+        return c.forward_fixed_s + (c.forward_s - c.forward_fixed_s) * size
+    if a.kind == BACKWARD:
+        return c.backward_fixed_s + (c.backward_s - c.backward_fixed_s) * size
+    return c.weight_s * size
 
 
 def simulate(
@@ -205,10 +215,12 @@ def simulate(
     costs: Sequence[StageCosts],
     *,
     allreduce_s: Sequence[float] = (),
+    sizes: Sequence[float] = (),
 ) -> Timeline:
     """Play ``schedule`` (``schedule[rank]`` in order) with ``costs[stage_index]`` per
     micro-batch; ``allreduce_s[rank]`` (data-parallel gradient reduction) is added after
-    each rank's last action. Raises ``ScheduleError`` if the schedule deadlocks."""
+    each rank's last action. ``sizes[i]`` scales micro-batch i against the even size (the
+    fixed costs stay). Raises ``ScheduleError`` if the schedule deadlocks."""
     where = placement(schedule)
     num_ranks = len(schedule)
     num_stages = max(where, default=-1) + 1
@@ -232,7 +244,8 @@ def simulate(
             a = actions[cursor[r]]
             start = free[r]
             missing = None
-            for dep, delay in _dependencies(a, where, costs):
+            size = sizes[a.microbatch_index] if sizes else 1.0
+            for dep, delay in _dependencies(a, where, costs, size):
                 if dep not in end:
                     missing = dep
                     break
@@ -241,7 +254,7 @@ def simulate(
                 waiting.setdefault(missing, []).append(r)
                 blocked_on[r] = missing
                 break
-            finish = start + _duration(a, costs)
+            finish = start + _duration(a, costs, size)
             end[a] = finish
             free[r] = finish
             cursor[r] += 1
@@ -284,13 +297,16 @@ def stage_costs_from_plan(
             link = device or _device(getattr(stage, "device", "") or plan.device)
             send = sum(b.nbytes for b in stage.outputs) / m / link.link_bandwidth + link.link_latency_s
         memory = stage.memory
+        forward, share = stage.forward_time_s / m, 1 - WEIGHT_SHARE if split else 1.0
         costs.append(StageCosts(
-            forward_s=stage.forward_time_s / m,
-            backward_s=backward * (1 - WEIGHT_SHARE) if split else backward,
+            forward_s=forward,
+            backward_s=backward * share,
             weight_s=backward * WEIGHT_SHARE if split else 0.0,
             send_s=send,
             activation_bytes=round(memory.activations / held[k]) if held[k] else 0,
             static_bytes=memory.parameters + memory.gradients + memory.optimizer,
+            forward_fixed_s=min(stage.fixed_forward_s, forward),
+            backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
         ))
     return costs
 
