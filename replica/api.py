@@ -130,7 +130,10 @@ class _Planner:
 
     def partition_for(self, num_stages: int, num_microbatches: int, schedule: str, replicas: int = 1,
                       num_ranks: int | None = None, batch_fraction: float = 1.0, within_budget: bool = True,
-                      recompute: bool = False) -> Plan:
+                      recompute: bool = False, graded: bool | None = None) -> Plan:
+        """The plan of one configuration; ``graded`` (default: as the planner was made) lets
+        the micro-batch sizes be graded."""
+        graded = self.graded if graded is None else graded
         m = num_microbatches
         if m > self.batch:
             raise ConfigError(
@@ -156,20 +159,34 @@ class _Planner:
                            in_flight=max_in_flight(schedule_data, num_stages))
         if splits_backward(schedule_data):  # order the zero-bubble actions by this plan's own times
             schedule_data = make_schedule(schedule, num_stages, m, num_ranks, durations=plan_durations(result))
-        costs = stage_costs_from_plan(result, schedule_data, device=specs[0])
-        shares: tuple[float, ...] = ()
-        if self.graded:  # smaller micro-batches where the pipeline fills and drains, if that wins
-            batch = max(m, round(self.batch * batch_fraction))
-            sizes, _, _ = grade(schedule_data, costs, batch, m)
-            if len(set(sizes)) > 1:
-                shares = tuple(s / batch for s in sizes)
-        timeline = simulate(schedule_data, costs, sizes=[x * m for x in shares])
-        return dataclasses.replace(
+        timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]))
+        result = dataclasses.replace(
             result, data_parallel_size=replicas, predicted_step_time_s=timeline.step_time_s,
-            simulated_bubble=timeline.bubble_fraction, microbatch_shares=shares,
+            simulated_bubble=timeline.bubble_fraction,
             pipeline_ranks=len(schedule_data),
             model_flops=3 * self.traced.graph.total_flops * batch_fraction * replicas,
             device_peak_flops=self.spec.datasheet_flops,  # 0 for a CPU: no utilisation figure
+        )
+        return self.graded_plan(result, batch_fraction) if graded else result
+
+    def graded_plan(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:
+        """``plan`` with graded micro-batch shares when the simulator says they beat even ones
+        (its predicted step shortened by what they save), else ``plan`` itself."""
+        m = plan.num_microbatches
+        if plan.num_stages == 1 or m < 2:
+            return plan
+        durations = plan_durations(plan) if plan.schedule.startswith("zb") else None
+        schedule = make_schedule(plan.schedule, plan.num_stages, m, plan.pipeline_ranks or None, durations=durations)
+        device = device_spec(self.devices[0]) if self.devices else self.spec
+        costs = stage_costs_from_plan(plan, schedule, device=device)
+        batch = max(m, round(self.batch * batch_fraction))
+        sizes, step, even = grade(schedule, costs, batch, m, memory_limit=self.budget_per_device())
+        if len(set(sizes)) == 1:
+            return plan
+        timeline = simulate(schedule, costs, sizes=[s * m / batch for s in sizes])
+        return dataclasses.replace(
+            plan, microbatch_shares=tuple(s / batch for s in sizes), simulated_bubble=timeline.bubble_fraction,
+            predicted_step_time_s=max(0.0, plan.predicted_step_time_s - (even - step)),
         )
 
 
@@ -267,13 +284,15 @@ def _tuned(planner: _Planner, world_size: int, *, global_batch: bool, num_stages
     def partition_for(stages: int, m: int, name: str, replicas: int, within_budget: bool, again: bool) -> Plan:
         return planner.partition_for(stages, m, name, replicas, num_ranks=stages // stages_per_rank(name),
                                      batch_fraction=1 / replicas if global_batch else 1.0,
-                                     within_budget=within_budget, recompute=again)
+                                     within_budget=within_budget, recompute=again,
+                                     graded=False)  # candidates even; the winner is graded below
 
     best, _ = tune(partition_for, world_size=world_size, batch=planner.batch, num_ops=len(planner.traced.graph.op_nodes),
                    device=planner.spec, memory_budget=planner.budget_per_device(), num_stages=num_stages,
                    num_microbatches=num_microbatches, schedules=schedules, data_parallel_size=data_parallel_size,
                    global_batch=global_batch, recompute=(False, True) if recompute is None else (recompute,))
-    return best
+    return planner.graded_plan(best, 1 / best.data_parallel_size if global_batch else 1.0) if planner.graded \
+        else best
 
 
 def _distributed() -> bool:

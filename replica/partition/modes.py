@@ -133,7 +133,10 @@ def uses_rng(gm: fx.GraphModule) -> bool:
     """Whether running ``gm`` may draw random numbers (dropout, rand*, bernoulli, ...)."""
     for n in gm.graph.nodes:
         if n.op == "call_module":
-            name = type(gm.get_submodule(str(n.target))).__name__.lower()
+            module = gm.get_submodule(str(n.target))
+            if getattr(module, "p", None) == 0:
+                continue  # nn.Dropout(p=0) draws nothing
+            name = type(module).__name__.lower()
         elif n.op in ("call_function", "call_method"):
             name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
         else:
@@ -142,6 +145,8 @@ def uses_rng(gm: fx.GraphModule) -> bool:
             continue
         if n.target is scaled_dot_product_attention:
             return True  # rewritten only when it has dropout
+        if n.target is dropout and n.args[1] == 0:
+            continue  # p = 0 draws nothing
         if _RANDOM.search(name.lower()):
             return True
     return False
@@ -165,12 +170,20 @@ def microbatch_seed(base: int, stage: int, microbatch: int, replica: int = 0) ->
 
 @contextmanager
 def seeded(seed: int | None, device: torch.device | None = None) -> Iterator[None]:
-    """Run with the default generator(s) seeded by ``seed``, restoring them afterwards;
-    ``None`` leaves the generators alone."""
+    """Run with the default generator of ``device`` (and the CPU's) seeded by ``seed``,
+    restoring them afterwards; ``None`` leaves the generators alone. (Not ``torch.manual_seed``:
+    it also queues a seed for every other backend, a millisecond per call.)"""
     if seed is None:
         yield
         return
-    devices = [device.index or 0] if device is not None and device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+    generators = [torch.default_generator]
+    if device is not None and device.type == "cuda":
+        generators.append(torch.cuda.default_generators[device.index or 0])
+    states = [g.get_state() for g in generators]
+    for g in generators:
+        g.manual_seed(seed)
+    try:
         yield
+    finally:
+        for g, state in zip(generators, states):
+            g.set_state(state)

@@ -104,9 +104,11 @@ class Timeline:
         num_ranks: int | None = None,
         costs: Sequence[StageCosts] = (),
         step_time_s: float | None = None,
+        sizes: Sequence[float] = (),
     ) -> "Timeline":
         """The figures of a timeline from its events (simulated or measured). Memory is
-        counted only where ``costs`` give the bytes; ``step_time_s`` defaults to the last end."""
+        counted only where ``costs`` give the bytes (scaled by relative micro-batch ``sizes``);
+        ``step_time_s`` defaults to the last end."""
         ordered = tuple(sorted(events, key=lambda e: (e.start_s, e.rank, e.end_s)))
         ranks = num_ranks if num_ranks is not None else max((e.rank + 1 for e in ordered), default=0)
         if any(not 0 <= e.rank < ranks for e in ordered):
@@ -121,7 +123,7 @@ class Timeline:
         for e in ordered:
             busy[e.rank] += e.end_s - e.start_s
         bubble = 1.0 - sum(busy) / (ranks * step) if ranks and step > 0 else 0.0
-        return cls(ordered, ranks, step, tuple(busy), bubble, _peak_memory(ordered, ranks, costs))
+        return cls(ordered, ranks, step, tuple(busy), bubble, _peak_memory(ordered, ranks, costs, sizes))
 
     def to_chrome_trace(self, *, name: str = "replica") -> dict[str, Any]:
         """``{"traceEvents": [...]}`` for chrome://tracing or Perfetto: one complete event
@@ -151,9 +153,11 @@ def _metadata(kind: str, pid: int, tid: int, label: str) -> dict[str, Any]:
     return {"name": kind, "ph": "M", "ts": 0, "dur": 0, "pid": pid, "tid": tid, "args": {"name": label}}
 
 
-def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageCosts]) -> tuple[int, ...]:
+def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageCosts],
+                 sizes: Sequence[float] = ()) -> tuple[int, ...]:
     """Per rank: static bytes of its stages plus the peak of live activations. A micro-batch's
-    activations on stage s count from F(s, i) until B(s, i) ends, or W(s, i) where there is one."""
+    activations on stage s count from F(s, i) until B(s, i) ends, or W(s, i) where there is one;
+    ``sizes[i]`` scales micro-batch i's."""
     if not costs:
         return (0,) * num_ranks
     split = {(e.action.stage_index, e.action.microbatch_index) for e in events if e.action.kind == WEIGHT}
@@ -167,7 +171,7 @@ def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageC
         if s not in seen:
             seen.add(s)
             static[e.rank] += costs[s].static_bytes
-        nbytes = costs[s].activation_bytes
+        nbytes = round(costs[s].activation_bytes * (sizes[i] if sizes else 1.0))
         if kind == FORWARD:
             changes[e.rank].append((e.start_s, 1, nbytes))
         elif kind == (WEIGHT if (s, i) in split else BACKWARD):
@@ -267,7 +271,8 @@ def simulate(
                           for r, d in sorted(blocked_on.items()))
         raise ScheduleError(f"schedule deadlocks: {stuck}; check each rank's order against the F/B/W dependencies")
     ends = [free[r] + (allreduce_s[r] if allreduce_s else 0.0) for r in range(num_ranks)]
-    return Timeline.from_events(events, num_ranks=num_ranks, costs=costs, step_time_s=max(ends, default=0.0))
+    return Timeline.from_events(events, num_ranks=num_ranks, costs=costs, step_time_s=max(ends, default=0.0),
+                                sizes=sizes)
 
 
 def stage_costs_from_plan(
