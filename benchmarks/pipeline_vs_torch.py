@@ -146,8 +146,11 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
     torch_runs = {t: torch_pipeline(rank, copy.deepcopy(model), t) for t in torch_schedules}
     pms = {}
     for s in schedules:  # "auto": no hint at all, the tuner picks stages, micro-batches and schedule
-        hints = {} if s == "auto" else dict(num_stages=4 if s in ("zb-v", "interleaved") else 2,
-                                            num_microbatches=MICROBATCHES, schedule=s)
+        name = s.removesuffix("-even")  # "-even": micro-batches of one size (no grading)
+        hints = {} if s == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
+                                            num_microbatches=MICROBATCHES, schedule=name)
+        if s.endswith("-even"):
+            hints["graded_microbatches"] = False
         pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
 
     def single() -> None:
@@ -191,7 +194,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint)")
+    parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint; "
+                        "'<name>-even': without graded micro-batches)")
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-rss", action="store_true")

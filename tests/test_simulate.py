@@ -64,7 +64,6 @@ def test_zero_bubble_v_beats_h1(p, m):
         "zb-h1", p, m, forward_s=1, backward_s=1, weight_s=1)
 
 
-@pytest.mark.xfail(strict=True, reason="greedy ZB-V on 4 ranks keeps a steady-state bubble (0.19-0.24 > ZB-H1)")
 @pytest.mark.parametrize("m", [8, 12, 16])
 def test_zero_bubble_v_beats_h1_on_four_ranks(m):
     assert bubble("zb-v", 8, m, forward_s=1, backward_s=1, weight_s=1) < bubble(

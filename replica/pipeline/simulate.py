@@ -308,7 +308,7 @@ def stage_costs_from_plan(
             backward_s=backward * share,
             weight_s=backward * WEIGHT_SHARE if split else 0.0,
             send_s=send,
-            activation_bytes=round(memory.activations / held[k]) if held[k] else 0,
+            activation_bytes=memory.activations // held[k] if held[k] else 0,
             static_bytes=memory.parameters + memory.gradients + memory.optimizer,
             forward_fixed_s=min(stage.fixed_forward_s, forward),
             backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
