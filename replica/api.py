@@ -29,6 +29,7 @@ from replica.pipeline.schedule import (
     durations_of,
     make_schedule,
     max_in_flight,
+    placement,
     splits_backward,
     stages_per_rank,
 )
@@ -152,11 +153,13 @@ class _Planner:
                                                        measured_fraction=self.measured_fraction))
                   for sp in specs]
         schedule_data = make_schedule(schedule, num_stages, m, num_ranks)
+        where = placement(schedule_data)
         budget = self.memory_budget if within_budget else None
         result = partition(self.traced.graph, models, num_stages=num_stages, num_microbatches=m, schedule=schedule,
                            memory_model=dataclasses.replace(self.memory_model, recompute=recompute),
                            memory_budget=budget,
-                           in_flight=max_in_flight(schedule_data, num_stages))
+                           in_flight=max_in_flight(schedule_data, num_stages),
+                           stage_ranks=[where[k] for k in range(num_stages)])
         if splits_backward(schedule_data):  # order the zero-bubble actions by this plan's own times
             schedule_data = make_schedule(schedule, num_stages, m, num_ranks, durations=plan_durations(result))
         timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]))

@@ -287,3 +287,34 @@ def test_more_stages_never_worse(items: list[float], data: st.DataObject) -> Non
     k = data.draw(st.integers(1, len(items) - 1))
     cost = interval_costs(items)
     assert solve(cost, k + 1).bottleneck <= solve(cost, k).bottleneck
+
+
+def test_balance_groups_evens_out_ranks_holding_two_stages():
+    """V placement: stages 0 and 3 share a rank, so its load is their sum; starting from
+    cuts that load rank 0 twice as much as rank 1, moving the cuts evens the ranks out."""
+    from replica.partition.solver import balance_groups
+
+    weights = [1.0] * 6 + [2.0] * 6  # later items cost twice as much
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def cost(k: int, i: int, j: int) -> float:
+        return prefix[j] - prefix[i]
+
+    groups = [[0, 3], [1, 2]]
+    loads = lambda b: [sum(cost(k, b[k], b[k + 1]) for k in g) for g in groups]  # noqa: E731
+    out = balance_groups(cost, [0, 4, 6, 8, 12], groups)  # rank 0: 4 + 8 = 12, rank 1: 2 + 4 = 6
+    assert max(loads(out)) == pytest.approx(9.0) and out[0] == 0 and out[-1] == 12
+    assert all(a < b for a, b in zip(out, out[1:]))
+
+
+def test_balance_groups_never_ends_worse_and_respects_infeasible_stages():
+    from replica.partition.solver import balance_groups
+
+    def cost(k: int, i: int, j: int) -> float:
+        return float("inf") if k == 1 and j - i > 2 else float(j - i)
+
+    out = balance_groups(cost, [0, 2, 4, 6, 8], [[0, 3], [1, 2]])
+    assert out[2] - out[1] <= 2  # stage 1 never takes more than it can
+    assert max(cost(k, out[k], out[k + 1]) for k in range(4)) < float("inf")

@@ -23,7 +23,7 @@ from replica.errors import ConfigError, PartitionError
 from replica.partition.cost import CostModel
 from replica.partition.graph import INPUT, OP, Graph, Node, TensorInfo
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
-from replica.partition.solver import Transfer, add_rectangle, interval_costs, solve
+from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
 
 __all__ = ["MemoryModel", "partition", "fingerprint", "in_flight_microbatches", "MAX_EXACT_POSITIONS"]
 
@@ -105,6 +105,7 @@ def partition(
     memory_budget: float | Sequence[float] | None = None,
     in_flight: Sequence[int] | None = None,
     bounds: Sequence[int] | None = None,
+    stage_ranks: Sequence[int] | None = None,
 ) -> Plan:
     """Cut ``graph`` into ``num_stages`` contiguous stages (in its topological order) so that
     the slowest stage — its compute plus everything it sends and receives — is as fast as
@@ -116,6 +117,8 @@ def partition(
     GPipe). Raises ``PartitionError`` with the memory needed and the smallest feasible
     ``num_stages`` when no partition fits. ``bounds`` (node positions ``0 = b0 < ... <
     bK = len(graph)``) imposes the cuts instead of solving: hand splits, for comparison.
+    ``stage_ranks[k]`` is the rank stage k runs on: where a rank holds several stages
+    (interleaved, V), the cuts then move to balance each rank's sum, not only each stage.
     """
     models = list(cost_model) if isinstance(cost_model, (list, tuple)) else [cost_model] * num_stages
     if len(models) != num_stages:
@@ -219,11 +222,28 @@ def partition(
         raise _infeasible(graph, num_stages, budgets, (static, activation, recv), schedule, m, num_seg,
                           memory_model.recompute) from None
 
-    bounds = [edges[b] for b in result.bounds]
+    seg_bounds, bottleneck = list(result.bounds), result.bottleneck
+    if stage_ranks is not None and len(set(stage_ranks)) < num_stages:
+        groups = [[k for k in range(num_stages) if stage_ranks[k] == r] for r in sorted(set(stage_ranks))]
+        for k in range(num_stages):
+            time_matrix(k)  # fills the per-device cache read below
+
+        def cost_at(k: int, i: int, j: int) -> float:
+            if budgets[k] < INF and memory_model_at(k, i, j) > budgets[k]:
+                return INF
+            return float(transfers_by_model[id(models[k])][i, j])
+
+        def memory_model_at(k: int, i: int, j: int) -> float:
+            held = 1 if memory_model.recompute else flights[k]
+            return float(static[i, j] + activation[i, j] * held + recv[i, j])
+
+        seg_bounds = balance_groups(cost_at, seg_bounds, groups)
+        bottleneck = max(cost_at(k, seg_bounds[k], seg_bounds[k + 1]) for k in range(num_stages))
+    bounds = [edges[b] for b in seg_bounds]
     again = 2 if memory_model.recompute else 1
     work = [again * models[0].forward_time(n, m) + models[0].backward_time(n, m) for n in nodes]
     lower_bound = max(sum(work) / num_stages, max(work)) if len({id(x) for x in models}) == 1 else 0.0
-    return _describe(graph, models, bounds, result.bottleneck, m, schedule, flights, memory_model, latency,
+    return _describe(graph, models, bounds, bottleneck, m, schedule, flights, memory_model, latency,
                      exact, lower_bound)
 
 

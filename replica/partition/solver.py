@@ -186,3 +186,39 @@ def brute_force(cost: np.ndarray, num_stages: int, allowed_cuts: Sequence[bool] 
         )
         best = min(best, worst)
     return best
+
+
+def balance_groups(
+    cost: "Callable[[int, int, int], float]",
+    bounds: Sequence[int],
+    groups: Sequence[Sequence[int]],
+    *,
+    max_rounds: int = 50,
+) -> list[int]:
+    """Move the cuts of ``bounds`` so that the costliest *group* of stages is as cheap as
+    possible: a rank holding several stages (V placement: stages r and 2P-1-r) is busy for
+    their sum, which a min-max over single stages does not balance. ``cost(k, i, j)`` is
+    stage k over items i..j-1 (``inf`` where infeasible). Coordinate descent: each cut in
+    turn goes to the position between its neighbours that lowers (the worst group, then the
+    worst stage), until no cut moves. Starts from, and never ends worse than, ``bounds``."""
+    b = list(bounds)
+    num_stages = len(b) - 1
+
+    def score(bs: Sequence[int]) -> tuple[float, float]:
+        per_stage = [cost(k, bs[k], bs[k + 1]) for k in range(num_stages)]
+        return max(sum(per_stage[k] for k in g) for g in groups), max(per_stage)
+
+    best = score(b)
+    for _ in range(max_rounds):
+        moved = False
+        for j in range(1, num_stages):
+            for pos in range(b[j - 1] + 1, b[j + 1]):
+                if pos == b[j]:
+                    continue
+                trial = b[:j] + [pos] + b[j + 1:]
+                s = score(trial)
+                if s < best:
+                    best, b, moved = s, trial, True
+        if not moved:
+            break
+    return b
