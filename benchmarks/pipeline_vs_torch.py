@@ -183,7 +183,8 @@ def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0) -
         for _ in range(steps):
             torch_step(rank, module, sched, x, y)
     else:
-        pm = replica.auto_parallel(model, (x,), num_stages=2, num_microbatches=MICROBATCHES, loss_fn=loss_fn)
+        pm = replica.auto_parallel(model, (x,), num_stages=2, num_microbatches=MICROBATCHES, loss_fn=loss_fn,
+                                   graded_microbatches=framework != "replica-even")
         for _ in range(steps):
             pm.zero_grad()
             pm.train_step(x, y)
@@ -199,11 +200,16 @@ def main() -> None:
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-rss", action="store_true")
+    parser.add_argument("--rss-only", action="store_true", help="measure peak RSS only (torch, replica, even)")
     parser.add_argument("--json", help="also write the raw figures here")
     args = parser.parse_args()
     CONFIG["vocab_size"] = args.vocab
     schedules = args.schedules.split(",")
     torch_schedules = args.torch_schedules.split(",")
+    if args.rss_only:
+        rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, timeout_s=600) for fw in ("torch", "replica", "replica-even")}
+        print("peak RSS per rank (MiB), 1F1B: " + ", ".join(f"{fw} {[round(v) for v in r]}" for fw, r in rss.items()))
+        return
     result = run_local(compare, 2, args.rounds, args.steps, schedules, torch_schedules, args.vocab,
                        timeout_s=3000)[0]
     tokens = BATCH * SEQ

@@ -115,3 +115,4 @@ def test_planner_grades_one_f_one_b_and_can_be_told_not_to():
     assert even.microbatch_shares == ()
     assert len(graded.microbatch_shares) == 8 and sum(graded.microbatch_shares) == pytest.approx(1.0)
     assert graded.predicted_step_time_s < even.predicted_step_time_s
+    assert "graded micro-batches" in graded.summary() and "graded" not in even.summary()

@@ -205,6 +205,9 @@ class Plan:
             f"{_seconds(self.bottleneck_s)}, balance {self.balance:.2f} (1.00 = perfect), "
             f"bubble {self.bubble_fraction:.0%}"
         )
+        if self.microbatch_shares:
+            share = " / ".join(f"{x:.0%}" for x in self.microbatch_shares)
+            lines.append(f"graded micro-batches (shares of the batch, in order): {share}")
         if not self.exact:
             gap = self.bottleneck_s / self.lower_bound_s - 1 if self.lower_bound_s > 0 else float("nan")
             lines.append(f"large graph: cut at its cheapest candidate points; bottleneck within {gap:.1%} "
