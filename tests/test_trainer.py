@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import replica
 import replica.defaults
 from replica.train.trainer import Trainer, get_trainer
-from tests.train_cases import assert_same_weights, images, make_trainer, small_cnn, weights
+from tests.train_cases import Stop, assert_same_weights, images, make_trainer, small_cnn, weights
 
 # Until replica/__init__.py exports them, the seed snippet reaches the front door here.
 if not hasattr(replica, "get_trainer"):
@@ -192,3 +193,155 @@ def test_a_loader_whose_batches_are_smaller_than_the_micro_batches_is_refused_wi
     trainer = make_trainer(num_stages=2, num_microbatches=8)
     with pytest.raises(replica.ConfigError, match=r"num_microbatches=8 .* batch of 4"):
         trainer.train_dataset(DataLoader(TensorDataset(x, y), batch_size=4))
+
+
+# --- keyword inputs: a dict of tensors, as Hugging Face batches are ---------------------------
+
+class KeywordNet(torch.nn.Module):
+    """Called as ``model(input_ids=..., mask=...)``: a masked bag of embeddings, then an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.hidden = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = (self.embed(input_ids) * mask.unsqueeze(-1)).sum(1)  # (B, 8)
+        return self.out(torch.relu(self.hidden(h)))  # (B, 4)
+
+
+class KeywordItems(Dataset):
+    """Items ``({"input_ids": ..., "mask": ...}, label)``, as a tokenized dataset gives them."""
+
+    def __init__(self, x: dict[str, torch.Tensor], y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return {key: t[i] for key, t in self.x.items()}, self.y[i]
+
+
+def tokens(num_samples: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 16, (num_samples, 6), generator=g)  # (B, T)
+    mask = (torch.rand(num_samples, 6, generator=g) > 0.2).float()  # (B, T)
+    return {"input_ids": ids, "mask": mask}, ids[:, 0] % 4
+
+
+def keyword_trainer(*, model_seed: int = 0, **config) -> Trainer:
+    torch.manual_seed(model_seed)
+    model = KeywordNet()
+    config.setdefault("progress", False)
+    return get_trainer(config=replica.defaults.default_config(**config), model=model,
+                       loss=torch.nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_one_step_on_a_dict_of_inputs_equals_plain_torch() -> None:
+    x, y = tokens(16)
+    trainer = keyword_trainer(batch_size=16, num_stages=2, num_microbatches=4)
+    history = trainer.train_dataset(x, y, epochs=1, shuffle=False)
+    assert trainer.step == 1 and trainer.pipeline.plan.num_stages == 2
+    assert trainer.pipeline.input_spec.positional == 0 and trainer.pipeline.input_spec.keywords == ("input_ids", "mask")
+
+    torch.manual_seed(0)
+    reference = KeywordNet()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss = torch.nn.functional.cross_entropy(reference(**x), y)
+    loss.backward()
+    optimizer.step()
+    assert history[0]["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert_same_weights(weights(trainer.model), weights(reference))
+
+
+def test_a_dict_of_inputs_trains_like_the_positional_tuple() -> None:
+    x, y = tokens(40)  # batches of 16 and 24 (the 8 left over merged)
+    keywords = keyword_trainer(batch_size=16, num_stages=2, num_microbatches=2)
+    history = keywords.train_dataset(x, y, epochs=2)
+    positional = keyword_trainer(batch_size=16, num_stages=2, num_microbatches=2)
+    positional.train_dataset((x["input_ids"], x["mask"]), y, epochs=2)
+    assert keywords.step == 4 and all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    assert_same_weights(weights(keywords.model), weights(positional.model))
+
+
+def test_datasets_and_loaders_of_dict_items_train_like_a_dict_of_tensors() -> None:
+    x, y = tokens(40)
+    tensors = keyword_trainer(batch_size=16)
+    tensors.train_dataset(x, y, epochs=1)
+    dataset = keyword_trainer(batch_size=16)
+    history = dataset.train_dataset(KeywordItems(x, y), epochs=1)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    assert_same_weights(weights(dataset.model), weights(tensors.model))
+
+    ordered = keyword_trainer(batch_size=16, num_stages=2, num_microbatches=2)
+    ordered.train_dataset(x, y, epochs=1, shuffle=False)
+    loader = keyword_trainer(num_stages=2, num_microbatches=2)
+    history = loader.train_dataset(DataLoader(KeywordItems(x, y), batch_size=16), epochs=1)  # 16, 16 + 8
+    assert loader.step == 2 and [h["samples"] for h in history] == [40]
+    assert_same_weights(weights(loader.model), weights(ordered.model))
+
+
+def test_evaluate_and_predict_take_a_dict_and_pad_its_short_batches() -> None:
+    x, y = tokens(10)
+    trainer = keyword_trainer(batch_size=8, num_stages=2, num_microbatches=4)
+    both = trainer.evaluate(x, y, metrics=("loss", "accuracy"), batch_size=3)  # batches of 3 (and 1) padded to 4
+    with torch.no_grad():
+        logits = trainer.model(**x)
+    assert both["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-5)
+    assert both["accuracy"] == pytest.approx(float((logits.argmax(1) == y).float().mean()))
+    torch.testing.assert_close(trainer.predict(x, batch_size=3), logits)
+    torch.testing.assert_close(trainer.predict(DataLoader(KeywordItems(x, y), batch_size=3)), logits)
+
+
+def test_a_dict_trainer_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path) -> None:
+    x, y = tokens(40)
+    whole = keyword_trainer(batch_size=16)
+    whole.train_dataset(x, y, epochs=3)
+
+    def die(t: Trainer) -> None:
+        if t.step == 3:
+            raise Stop
+
+    first = keyword_trainer(batch_size=16, checkpoint_dir=str(tmp_path), checkpoint_every_steps=1)
+    with pytest.raises(Stop):
+        first.train_dataset(x, y, epochs=3, on_step_end=die)
+    second = keyword_trainer(batch_size=16, checkpoint_dir=str(tmp_path), checkpoint_every_steps=1, model_seed=1)
+    second.train_dataset(x, y, epochs=3)
+    assert second.resumed_from.name == "step-00000003" and second.step == 6
+    assert_same_weights(weights(second.model), weights(whole.model))
+
+
+@pytest.mark.parametrize(("x", "says"), [
+    ({"input_ids": torch.zeros(8, 6, dtype=torch.long), "mask": torch.ones(7, 6)},
+     r"x\['mask'\] has 7 samples along dim 0 but x\['input_ids'\] has 8"),
+    ({"input_ids": torch.zeros(8, 6, dtype=torch.long), "mask": True}, r"x\['mask'\] is a bool"),
+])
+def test_a_bad_dict_of_inputs_raises_config_error_naming_the_key(x, says: str) -> None:
+    with pytest.raises(replica.ConfigError, match=says):
+        keyword_trainer().train_dataset(x, torch.zeros(8, dtype=torch.long))
+
+
+def test_a_tiny_gpt2_trains_and_predicts_on_hugging_face_style_batches() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (12, 16))  # (B, T)
+    batch = transformers.BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})  # a tokenizer's
+
+    def next_token_loss(out, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
+
+    trainer = get_trainer(config=replica.defaults.default_config(batch_size=4, num_stages=2, num_microbatches=4,
+                                                                 progress=False),
+                          model=model, loss=next_token_loss, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3))
+    history = trainer.train_dataset(batch, ids, epochs=1)
+    assert trainer.step == 3 and trainer.pipeline.plan.num_stages == 2
+    assert torch.isfinite(torch.tensor(history[0]["loss"]))
+    out = trainer.predict(batch, batch_size=5)  # a last batch of 2 is padded to the 4 micro-batches
+    with torch.no_grad():
+        torch.testing.assert_close(out.logits, model(**batch).logits, rtol=1e-4, atol=1e-5)

@@ -7,20 +7,26 @@ ranks) sees exactly the batches an uninterrupted one would. For training, a part
 last batch is MERGED into the batch before it (that step takes ``batch_size + r``
 samples): no sample is dropped, and no batch is ever smaller than the pipeline needs
 (a whole batch always holds at least micro-batches × replicas samples).
+
+Inputs are positional (a tensor, or a tuple of them: ``model(*x)``) or keywords (a dict of
+tensors: ``model(**x)``, as Hugging Face batches are); every tensor has the samples along dim 0.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Union
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from replica.errors import ConfigError
 
-__all__ = ["Batch", "DataSource", "LoaderSource", "make_source", "epoch_order", "shard", "pad"]
+__all__ = ["Batch", "Inputs", "DataSource", "LoaderSource", "make_source", "epoch_order", "num_samples_in",
+           "shard", "pad"]
 
-Batch = tuple[tuple[torch.Tensor, ...], Any]  # (inputs, target)
+Inputs = Union[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]  # model(*inputs) or model(**inputs)
+Batch = tuple[Inputs, Any]  # (inputs, target)
 
 
 def epoch_order(num_samples: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
@@ -40,12 +46,37 @@ def _chunks(order: torch.Tensor, batch_size: int, merge_last: bool) -> list[torc
     return chunks
 
 
-def _size(batch: Batch) -> int:
-    return int(batch[0][0].shape[0])
+def num_samples_in(inputs: Inputs) -> int:
+    """The samples of a batch's inputs: dim 0 of the first tensor."""
+    return int(tree_leaves(inputs)[0].shape[0])
 
 
-def _as_inputs(x: Any) -> tuple[torch.Tensor, ...]:
+def _as_inputs(x: Any, what: str = "x") -> Inputs:
+    if isinstance(x, Mapping):
+        return _keywords(x, what)
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _keywords(x: Mapping[str, Any], what: str) -> dict[str, torch.Tensor]:
+    """A dict of keyword inputs, checked: every value a tensor, all with the same dim 0."""
+    if not x:
+        raise ConfigError(f"{what} is an empty dict; pass the model's keyword inputs, e.g. {{'input_ids': ids}}")
+    first = None
+    for key, value in x.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            got = "a 0-dim tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+            raise ConfigError(
+                f"{what}[{key!r}] is {got}; every value of a dict of inputs must be a tensor with the samples "
+                "along dim 0. Fix a non-tensor setting in the model instead (its config, or a wrapper's forward)."
+            )
+        if first is None:
+            first = key
+        elif value.shape[0] != x[first].shape[0]:
+            raise ConfigError(
+                f"{what}[{key!r}] has {value.shape[0]} samples along dim 0 but {what}[{first!r}] has "
+                f"{x[first].shape[0]}; every tensor of a dict of inputs must have the same batch size"
+            )
+    return dict(x)
 
 
 class DataSource:
@@ -64,15 +95,18 @@ class DataSource:
 
 
 class TensorSource(DataSource):
-    """Inputs (a tensor or a tuple of them) and targets indexed along dim 0."""
+    """Inputs (a tensor, a tuple or a dict of them) and targets indexed along dim 0."""
 
-    def __init__(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> None:
-        sizes = {int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0}
-        if len(sizes) != 1 or any(not isinstance(t, torch.Tensor) or t.dim() == 0 for t in inputs):
-            raise ConfigError(
-                f"x must be a tensor (or a tuple of tensors) with the samples along dim 0; got "
-                f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in inputs]}"
-            )
+    def __init__(self, inputs: Inputs, target: torch.Tensor | None) -> None:
+        if isinstance(inputs, dict):
+            sizes = {num_samples_in(inputs)}  # _keywords checked every value
+        else:
+            sizes = {int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0}
+            if len(sizes) != 1 or any(not isinstance(t, torch.Tensor) or t.dim() == 0 for t in inputs):
+                raise ConfigError(
+                    f"x must be a tensor (or a tuple of tensors) with the samples along dim 0; got "
+                    f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in inputs]}"
+                )
         self.num_samples: int = sizes.pop()
         if target is not None:
             if not isinstance(target, torch.Tensor) or target.dim() == 0:
@@ -89,7 +123,7 @@ class TensorSource(DataSource):
                 start: int = 0) -> Iterator[Batch]:
         order = epoch_order(self.num_samples, epoch, seed, shuffle)
         for idx in _chunks(order, batch_size, merge_last)[start:]:
-            yield tuple(t[idx] for t in self.inputs), None if self.target is None else self.target[idx]
+            yield tree_map(lambda t: t[idx], self.inputs), None if self.target is None else self.target[idx]
 
 
 class DatasetSource(DataSource):
@@ -113,9 +147,11 @@ class DatasetSource(DataSource):
 
 def _split_item(batch: Any) -> Batch:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return _as_inputs(batch[0]), batch[1]
+        return _as_inputs(batch[0], "each batch's x"), batch[1]
     if isinstance(batch, torch.Tensor):
         return (batch,), None
+    if isinstance(batch, Mapping):
+        return _keywords(batch, "each batch's x"), None
     raise ConfigError(
         f"each dataset item / loader batch must be (x, y) (or x alone for predict), got {type(batch).__name__}"
         f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}"
@@ -140,8 +176,8 @@ class LoaderSource(DataSource):
         index, full = 0, None
         for raw in self.loader:
             batch = _split_item(raw)
-            full = _size(batch) if full is None else full
-            if merge_last and held is not None and _size(batch) < full:
+            full = num_samples_in(batch[0]) if full is None else full
+            if merge_last and held is not None and num_samples_in(batch[0]) < full:
                 held = _concat(held, batch)  # a short (last) batch joins the one before
                 continue
             if held is not None:
@@ -160,14 +196,14 @@ class LoaderSource(DataSource):
 
 
 def _concat(a: Batch, b: Batch) -> Batch:
-    inputs = tuple(torch.cat([u, v]) for u, v in zip(a[0], b[0]))
+    inputs = tree_map(lambda u, v: torch.cat([u, v]), a[0], b[0])
     target = None if a[1] is None else torch.cat([a[1], b[1]])
     return inputs, target
 
 
 def make_source(x: Any, y: Any, *, need_target: bool) -> DataSource:
     """The right :class:`DataSource` for tensors, a ``Dataset`` or a ``DataLoader``."""
-    if isinstance(x, (Dataset, DataLoader)) or (not isinstance(x, (torch.Tensor, tuple, list))
+    if isinstance(x, (Dataset, DataLoader)) or (not isinstance(x, (torch.Tensor, tuple, list, Mapping))
                                                  and hasattr(x, "__iter__")):
         if y is not None:
             raise ConfigError(
@@ -187,15 +223,15 @@ def shard(batch: Batch, num_shards: int, index: int) -> Batch:
     """This data-parallel replica's slice of a global batch (sizes differ by at most one)."""
     if num_shards == 1:
         return batch
-    inputs = tuple(torch.tensor_split(t, num_shards)[index] for t in batch[0])
+    inputs = tree_map(lambda t: torch.tensor_split(t, num_shards)[index], batch[0])
     target = None if batch[1] is None else torch.tensor_split(batch[1], num_shards)[index]
     return inputs, target
 
 
-def pad(inputs: Sequence[torch.Tensor], min_size: int) -> tuple[tuple[torch.Tensor, ...], int]:
+def pad(inputs: Inputs, min_size: int) -> tuple[Inputs, int]:
     """Inputs grown to ``min_size`` samples by repeating the last (for inference only), and the real count."""
-    n = int(inputs[0].shape[0])
+    n = num_samples_in(inputs)
     if n >= min_size:
-        return tuple(inputs), n
-    grown = tuple(torch.cat([t, t[-1:].expand(min_size - n, *t.shape[1:])]) for t in inputs)
+        return inputs, n
+    grown = tree_map(lambda t: torch.cat([t, t[-1:].expand(min_size - n, *t.shape[1:])]), inputs)
     return grown, n

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from replica.api import PipelineModel, auto_parallel
 from replica.defaults import TrainerConfig, default_config
@@ -31,7 +32,7 @@ from replica.errors import ConfigError
 from replica.pipeline import microbatch
 from replica.pipeline.schedule import stages_per_rank
 from replica.train import checkpoint as ckpt
-from replica.train.data import Batch, DataSource, LoaderSource, make_source, pad, shard
+from replica.train.data import Batch, DataSource, Inputs, LoaderSource, make_source, num_samples_in, pad, shard
 from replica.train.metrics import batch_sums, metric_names
 from replica.train.optim import OptimizerFactory, make_optimizer
 from replica.train.report import Reporter
@@ -46,10 +47,13 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _call(pm: PipelineModel, inputs: Inputs) -> Any:
+    """``pm(**inputs)`` for a dict of keyword inputs, ``pm(*inputs)`` for positional ones."""
+    return pm(**inputs) if isinstance(inputs, dict) else pm(*inputs)
+
+
 def _take(out: Any, n: int) -> Any:
     """The first ``n`` samples of every batched tensor in ``out`` (drops padding)."""
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, out)
 
 
@@ -132,7 +136,9 @@ class Trainer:
         inputs = first[0] if isinstance(source, LoaderSource) else pad(first[0], batch_size)[0]
         inputs = shard((inputs, None), d, 0)[0]
         c = self.config
-        pm = auto_parallel(self.model, self._to_device((inputs, None))[0], num_stages=c.num_stages,
+        example = self._to_device((inputs, None))[0]
+        args, kwargs = ((), example) if isinstance(example, dict) else (example, None)
+        pm = auto_parallel(self.model, args, example_kwargs=kwargs, num_stages=c.num_stages,
                            num_microbatches=c.num_microbatches, schedule=c.schedule, loss_fn=self.loss,
                            loss_reduction=self.loss_reduction,
                            data_parallel_size=d if self.world_size > 1 else None, timeout_s=c.timeout_s)
@@ -152,7 +158,7 @@ class Trainer:
         return self.pipeline.plan.num_microbatches * self.pipeline.data_parallel_size
 
     def _to_device(self, batch: Batch) -> Batch:
-        inputs = tuple(t.to(self.device, non_blocking=True) for t in batch[0])
+        inputs = tree_map(lambda t: t.to(self.device, non_blocking=True), batch[0])
         target = batch[1].to(self.device, non_blocking=True) if isinstance(batch[1], torch.Tensor) else batch[1]
         return inputs, target
 
@@ -174,7 +180,9 @@ class Trainer:
                       shuffle: bool | None = None,
                       on_step_end: Callable[["Trainer"], None] | None = None) -> list[dict[str, Any]]:
         """Train for ``epochs`` epochs over ``(x, y)`` tensors, a ``Dataset`` of ``(x, y)`` or a
-        ``DataLoader`` (then ``y`` is None and the loader sets batch size and order).
+        ``DataLoader`` (then ``y`` is None and the loader sets batch size and order). ``x`` is
+        positional (a tensor, a tuple of them: ``model(*x)``) or keywords (a dict of tensors,
+        as Hugging Face batches are: ``model(**x)``).
 
         ``batch_size`` samples per optimizer step (over all replicas); a last batch smaller
         than the pipeline takes (``num_microbatches × data_parallel_size``) is merged into the
@@ -245,7 +253,7 @@ class Trainer:
         upcoming = next(batches, None)
         while upcoming is not None:
             batch, upcoming = upcoming, next(batches, None)
-            n = int(batch[0][0].shape[0])
+            n = num_samples_in(batch[0])
             if n < self._min_batch:
                 raise ConfigError(
                     f"a batch of {n} samples is too small for {pm.plan.num_microbatches} micro-batches × "
@@ -359,7 +367,7 @@ class Trainer:
                         continue
                     inputs, target = self._to_device(batch)
                     padded, n = pad(inputs, pm.plan.num_microbatches)
-                    yield _take(pm(*padded), n), target, n
+                    yield _take(_call(pm, padded), n), target, n
         finally:
             pm.train(was_training)
 
@@ -389,7 +397,7 @@ class Trainer:
         return result if as_dict else result[names[0]]
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
-        """The model's outputs for every sample of ``x`` (a tensor, tuple, Dataset or DataLoader),
+        """The model's outputs for every sample of ``x`` (a tensor, tuple, dict, Dataset or DataLoader),
         concatenated along dim 0; on every rank (each replica computes all of them)."""
         source = make_source(x, None, need_target=False)
         self._join_world()
