@@ -1,0 +1,195 @@
+"""``PipelineModel``: a model cut into stages, called like the model and trained by ``train_step``."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from replica.errors import ConfigError, PipelineError
+from replica.partition.modes import following, frozen_mode_ops
+from replica.partition.plan import Plan
+from replica.partition.split import StageModule, split
+from replica.partition.trace import Traced
+from replica.pipeline import microbatch
+from replica.pipeline.distributed import DistributedRuntime, Topology
+from replica.pipeline.local import LocalRuntime, LossFn
+from replica.pipeline.schedule import durations_of, make_schedule, splits_backward
+from replica.pipeline.shapes import ShapeOracle
+from replica.pipeline.weightgrad import defer_linear_weight_grads
+
+__all__ = ["PipelineModel", "plan_durations"]
+
+
+def plan_durations(plan: Plan) -> tuple[float, float, float]:
+    """The relative F, B, W times the zero-bubble generators order a plan's actions by."""
+    return durations_of([s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages])
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class PipelineModel:
+    """A model cut into pipeline stages; call it like the model, train it with ``train_step``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        traced: Traced,
+        plan: Plan,
+        *,
+        loss_fn: LossFn | None,
+        loss_reduction: str,
+        num_pipeline_ranks: int,
+        timeout_s: float,
+    ) -> None:
+        self.model = model
+        self.plan = plan
+        self.loss_fn = loss_fn
+        self.loss_reduction = loss_reduction
+        self.input_spec = traced.inputs
+        self._traced_training = traced.training
+        self._frozen_mode = frozen_mode_ops(traced.module)
+        self.all_stages: list[StageModule] = split(traced, plan)
+        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_pipeline_ranks,
+                                      durations=plan_durations(plan))
+        if splits_backward(self.schedule):  # linear weight gradients wait for their W action
+            for stage in self.all_stages:
+                defer_linear_weight_grads(stage.module)
+        self._canonical = {alias: name for name, aliases in plan.tied_parameters.items() for alias in aliases}
+        self.runtime: LocalRuntime | DistributedRuntime
+        if _distributed():
+            topology = Topology(dist.get_rank(), dist.get_world_size(), num_pipeline_ranks)
+            device = next(model.parameters()).device
+            boundary = [b.name for s in plan.stages for b in s.outputs]
+            oracle = ShapeOracle(traced.module, boundary, device, traced.out_spec)
+            self.runtime = DistributedRuntime(self.all_stages, self.schedule, plan, topology, oracle,
+                                              timeout_s=timeout_s, device=device, recompute=plan.recompute)
+            self.stages = [s for s in self.all_stages if s.stage_index in self.runtime.stages]
+            self.pipeline_rank = topology.pipeline_rank
+            self.data_parallel_rank = topology.data_parallel_rank
+            self._release_remote_weights()
+        else:
+            self.runtime = LocalRuntime(self.all_stages, self.schedule, recompute=plan.recompute)
+            self.stages = self.all_stages
+            self.pipeline_rank = 0
+            self.data_parallel_rank = 0
+        self.data_parallel_size = plan.data_parallel_size
+
+    def _release_remote_weights(self) -> None:
+        """Free the storage of every weight no local stage reads: a rank holds only its stages."""
+        mine = {id(t) for s in self.stages for t in [*s.module.parameters(), *s.module.buffers()]}
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if id(t) not in mine:
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    # --- running ---------------------------------------------------------------------
+    def _pack(self, inputs: Any, kwargs: dict[str, Any], what: str = "inputs") -> tuple[Any, ...]:
+        """The graph's inputs for a call: ``inputs`` a tensor, a tuple or list of them
+        (positional), or a dict (keywords, like ``model(**batch)``); ``kwargs`` more keywords."""
+        if isinstance(inputs, dict):
+            args, kwargs = (), {**inputs, **kwargs}
+        else:
+            args = inputs if isinstance(inputs, tuple) else tuple(inputs) if isinstance(inputs, list) else (inputs,)
+        assert self.input_spec is not None
+        return self.input_spec.pack(args, kwargs, what)
+
+    def _microbatches(self, args: tuple[Any, ...], what: str = "inputs") -> list[tuple[Any, ...]]:
+        return microbatch.split(args, self.plan.num_microbatches, what, self.plan.microbatch_shares)
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Pipelined forward, called like the model (positional and keyword inputs as traced);
+        the output, in the model's own type, backpropagates into the model like ``model(...)``'s."""
+        args = self._pack(inputs, kwargs)
+        self._check_mode()
+        with following(self.model):
+            return microbatch.merge(self.runtime.forward(self._microbatches(args)))
+
+    def train_step(self, inputs: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of every micro-batch. Each parameter's ``.grad`` receives the
+        gradient of the whole batch's loss (accumulated, as ``loss.backward()`` would);
+        returns that loss, detached. ``inputs`` are as the model takes them: a tensor, a tuple
+        of positional inputs, or a dict of keyword inputs; ``kwargs`` add keyword inputs."""
+        if self.loss_fn is None:
+            raise PipelineError(
+                "train_step needs a loss: pass loss_fn=callable(output, target) -> scalar to "
+                "replica.auto_parallel(...), e.g. loss_fn=torch.nn.functional.cross_entropy"
+            )
+        args = self._pack(inputs, kwargs)
+        mbs = self._microbatches(args)
+        n_in = microbatch.batch_size(args)
+        n_target = microbatch.batch_size([target], "target")
+        if n_in != n_target:
+            raise ConfigError(f"inputs have a batch of {n_in} samples but target has {n_target}; they must match")
+        targets = [t[0] for t in self._microbatches((target,), "target")]
+        weights = microbatch.loss_weights(mbs, self.loss_reduction)
+        self._check_mode()
+        with following(self.model):
+            return self.runtime.train_step(mbs, targets, self.loss_fn, weights).loss
+
+    def _check_mode(self) -> None:
+        """Dropout follows ``train()``/``eval()``; ops frozen at trace time cannot."""
+        if self.model.training != self._traced_training and self._frozen_mode:
+            mode = "training" if self.model.training else "eval"
+            traced = "training" if self._traced_training else "eval"
+            raise PipelineError(
+                f"{type(self.model).__name__} is in {mode} mode but was traced in {traced} mode, and ops "
+                f"{self._frozen_mode[:3]} (batch norm) keep the traced mode's behaviour. Call "
+                f"model.{'train' if self._traced_training else 'eval'}() first, or plan a second pipeline "
+                f"with the model in {mode} mode."
+            )
+
+    @property
+    def is_last_stage_here(self) -> bool:
+        """Whether this process runs the last stage (where the loss is computed)."""
+        return any(s.is_last for s in self.stages)
+
+    # --- parameters ------------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The parameters this process holds, under their original names (a tied one once,
+        under the name the plain model's ``named_parameters`` gives it)."""
+        seen: set[int] = set()
+        for stage in self.stages:
+            for name, p in stage.module.named_parameters(remove_duplicate=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield prefix + self._canonical.get(name, name), p
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Original keys (every alias of a tied weight too), for the weights this process
+        holds: in one process the whole model's, loadable by the plain model."""
+        if isinstance(self.runtime, LocalRuntime):
+            return self.model.state_dict()
+        out: dict[str, torch.Tensor] = {}
+        for stage in self.stages:
+            for key, value in stage.module.state_dict().items():
+                out.setdefault(key, value)
+                for alias in self.plan.tied_parameters.get(self._canonical.get(key, key), ()):
+                    out.setdefault(alias, value)
+                canonical = self._canonical.get(key)
+                if canonical is not None:
+                    out.setdefault(canonical, value)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
+        return self.model.load_state_dict(state_dict, strict=strict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def train(self, mode: bool = True) -> "PipelineModel":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "PipelineModel":
+        return self.train(False)
+
+    def __repr__(self) -> str:
+        return (f"PipelineModel({self.plan.model_name}, num_stages={self.plan.num_stages}, "
+                f"num_microbatches={self.plan.num_microbatches}, schedule={self.plan.schedule!r})")
