@@ -398,6 +398,12 @@ def auto_parallel(
     _check_count("num_stages", num_stages)
     _check_count("num_microbatches", num_microbatches)
     _check_count("data_parallel_size", data_parallel_size)
+    if getattr(model, "_replica_released", False):
+        raise ConfigError(
+            f"this {type(model).__name__} already went through a distributed auto_parallel on this rank, which "
+            "freed the weights of the stages other ranks hold. Build (or load) the model again before "
+            "pipelining it again, or keep using the first PipelineModel."
+        )
     if plan is not None:
         for name, given, planned in (("num_stages", num_stages, plan.num_stages),
                                      ("num_microbatches", num_microbatches, plan.num_microbatches),

@@ -81,6 +81,7 @@ class PipelineModel:
     def _release_remote_weights(self) -> None:
         """Free the storage of every weight no local stage reads: a rank holds only its stages."""
         mine = {id(t) for s in self.stages for t in [*s.module.parameters(), *s.module.buffers()]}
+        self.model._replica_released = True  # type: ignore[assignment]  # auto_parallel refuses it again
         for t in [*self.model.parameters(), *self.model.buffers()]:
             if id(t) not in mine:
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)

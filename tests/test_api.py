@@ -317,3 +317,12 @@ def test_sum_reduction(mlp):
                                loss_fn=lambda out, t: F.cross_entropy(out, t, reduction="sum"), loss_reduction="sum")
     want = F.cross_entropy(model(*inputs), target, reduction="sum")
     torch.testing.assert_close(pm.train_step(inputs, target), want.detach())
+
+
+def test_a_model_whose_remote_weights_were_freed_is_refused(mlp):
+    pm = replica.auto_parallel(mlp.model, mlp.example_inputs, num_stages=2, num_microbatches=2,
+                               loss_fn=mlp.loss_fn, device=COMPUTE_BOUND)
+    pm.stages = pm.stages[:1]  # as on rank 0 of two: the other stage's weights live elsewhere
+    pm._release_remote_weights()
+    msg = error(replica.ConfigError, replica.auto_parallel, mlp.model, mlp.example_inputs, num_stages=2)
+    assert "already went through a distributed auto_parallel" in msg and "Build (or load) the model again" in msg
