@@ -37,7 +37,7 @@ _KINDS = {"dropout": F.dropout, "dropout1d": F.dropout1d, "dropout2d": F.dropout
           "alpha": F.alpha_dropout, "feature_alpha": F.feature_alpha_dropout}
 _FROZEN = {torch.ops.aten._native_batch_norm_legit_no_training.default, torch.ops.aten._native_batch_norm_legit.no_stats}
 _NORMS = {F.batch_norm, F.instance_norm, torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
-_RANDOM = re.compile(r"(^|[._])(dropout\w*|rand\w*|bernoulli\w*|normal\w*|uniform\w*|multinomial|randperm|"
+_RANDOM = re.compile(r"(^|[._])(dropout\w*|rand\w*|bernoulli\w*|normal_?|uniform_?|multinomial|randperm|"
                      r"exponential_|geometric_|cauchy_|log_normal_|rrelu\w*)($|[._])")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from replica.pipeline import microbatch
 from replica.pipeline.schedule import Action
 from replica.pipeline.simulate import StageCosts, simulate
 
@@ -36,12 +37,13 @@ def grade(schedule: Sequence[Sequence[Action]], costs: Sequence[StageCosts], bat
     ``(sizes, step_s, even_step_s)``; the sizes are even unless grading gains ``MIN_GAIN``.
 
     Larger middle micro-batches hold more activations: no rank's simulated peak may pass
-    ``memory_limit`` (bytes per device). Local search: move samples between two micro-batches (any two for m <= 16, else
-    neighbours and the ends) while the simulated step shrinks, coarse moves first, then
-    single samples; no micro-batch grows past
-    ``MAX_GROWTH`` times the even size, none shrinks below ``MIN_SHRINK`` of it (or one sample)."""
+    ``memory_limit`` (bytes per device). The search starts from even sizes and from seeds
+    with both ends shrunk, then moves samples between two micro-batches (any two for
+    m <= 16, else neighbours and the ends) while the simulated step shrinks, coarse moves
+    first, then single samples. No micro-batch grows past ``MAX_GROWTH`` times the even
+    size or shrinks below ``MIN_SHRINK`` of it (or one sample)."""
     m = num_microbatches
-    even = [batch // m + (1 if i < batch % m else 0) for i in range(m)]
+    even = microbatch.sizes(batch, m)
 
     def step(sizes: Sequence[int]) -> float:
         """The simulated step; infinite where a rank's simulated peak memory (its stages'
