@@ -88,9 +88,6 @@ class InputSpec:
         self._check_dims(packed, what)
         return packed
 
-    def names(self) -> list[str]:
-        return [f"input {i}" for i in range(self.positional)] + list(self.keywords)
-
     def _check_dims(self, packed: tuple[Any, ...], what: str) -> None:
         for i, (x, fixed) in enumerate(zip(packed, self.fixed_dims)):
             if not isinstance(x, torch.Tensor):
