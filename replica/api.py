@@ -29,7 +29,7 @@ from replica.pipeline.schedule import (
     stages_per_rank,
 )
 from replica.pipeline.simulate import simulate, stage_costs_from_plan
-from replica.pipeline_model import LossFn, PipelineModel, _distributed, plan_durations
+from replica.pipeline_model import LossFn, PipelineModel, _distributed, plan_schedule
 from replica.tuner import SCHEDULE_CHOICES, tune
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
@@ -154,7 +154,7 @@ class _Planner:
                            in_flight=max_in_flight(schedule_data, num_stages),
                            stage_ranks=[where[k] for k in range(num_stages)])
         if splits_backward(schedule_data):  # order the zero-bubble actions by this plan's own times
-            schedule_data = make_schedule(schedule, num_stages, m, num_ranks, durations=plan_durations(result))
+            schedule_data = plan_schedule(result, num_ranks)
         timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]))
         result = dataclasses.replace(
             result, data_parallel_size=replicas, predicted_step_time_s=timeline.step_time_s,
@@ -171,8 +171,7 @@ class _Planner:
         m = plan.num_microbatches
         if plan.num_stages == 1 or m < 2:
             return plan
-        durations = plan_durations(plan) if plan.schedule.startswith("zb") else None
-        schedule = make_schedule(plan.schedule, plan.num_stages, m, plan.pipeline_ranks or None, durations=durations)
+        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
         device = device_spec(self.devices[0]) if self.devices else self.spec
         costs = stage_costs_from_plan(plan, schedule, device=device)
         batch = max(m, round(self.batch * batch_fraction))

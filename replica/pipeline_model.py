@@ -15,16 +15,19 @@ from replica.partition.trace import Traced
 from replica.pipeline import microbatch
 from replica.pipeline.distributed import DistributedRuntime, Topology
 from replica.pipeline.local import LocalRuntime, LossFn
-from replica.pipeline.schedule import durations_of, make_schedule, splits_backward
+from replica.pipeline.schedule import Schedule, durations_of, make_schedule, splits_backward, stage_scale_of
 from replica.pipeline.shapes import ShapeOracle
 from replica.pipeline.weightgrad import defer_linear_weight_grads
 
-__all__ = ["PipelineModel", "plan_durations"]
+__all__ = ["PipelineModel", "plan_schedule"]
 
 
-def plan_durations(plan: Plan) -> tuple[float, float, float]:
-    """The relative F, B, W times the zero-bubble generators order a plan's actions by."""
-    return durations_of([s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages])
+def plan_schedule(plan: Plan, num_ranks: int | None, *, check: bool = True) -> Schedule:
+    """The action lists of ``plan``, ordered by its own stage times: the planner and every
+    rank derive the same ones from the same plan."""
+    forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
+    return make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks, check=check,
+                         durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))
 
 
 def _distributed() -> bool:
@@ -53,8 +56,7 @@ class PipelineModel:
         self._traced_training = traced.training
         self._frozen_mode = frozen_mode_ops(traced.module)
         self.all_stages: list[StageModule] = split(traced, plan)
-        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_pipeline_ranks,
-                                      durations=plan_durations(plan))
+        self.schedule = plan_schedule(plan, num_pipeline_ranks)
         if splits_backward(self.schedule):  # linear weight gradients wait for their W action
             for stage in self.all_stages:
                 defer_linear_weight_grads(stage.module)

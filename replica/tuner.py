@@ -18,11 +18,11 @@ from replica.errors import PartitionError, ScheduleError
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
 from replica.pipeline.schedule import (
-    INTERLEAVED,
     WEIGHT_SHARE,
     durations_of,
     make_schedule,
     max_in_flight,
+    stage_scale_of,
     stages_per_rank,
 )
 from replica.pipeline.simulate import StageCosts, simulate
@@ -89,9 +89,9 @@ def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, m: int,
     """Price ``plan``'s stages (one replica's batch) for ``m`` micro-batches under
     ``schedule_name``, by simulation; memory per rank from the schedule's own in-flight counts."""
     try:
+        forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
         schedule = make_schedule(schedule_name, plan.num_stages, m, ranks, check=False,
-                                 durations=durations_of([s.forward_time_s for s in plan.stages],
-                                                        [s.backward_time_s for s in plan.stages]))
+                                 durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))
     except ScheduleError:
         return None
     flights = max_in_flight(schedule, plan.num_stages)

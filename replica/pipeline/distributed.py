@@ -20,7 +20,7 @@ from replica.errors import PipelineError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline.local import RandomStreams, StepResult, run_stage, weighted_loss
-from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule, placement, splits_backward
+from replica.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule, placement, splits_backward
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
 from replica.pipeline.weightgrad import WeightGrads, collecting
 

@@ -255,7 +255,8 @@ def zero_bubble_h1(
 
 
 def zero_bubble_v(
-    num_stages: int, num_microbatches: int, *, durations: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    num_stages: int, num_microbatches: int, *, durations: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    stage_scale: Sequence[float] | None = None,
 ) -> Schedule:
     """ZB-V: ``num_stages = 2P`` stages on P ranks in a V (rank r holds stages r and
     2P-1-r, so the first and the last stage share rank 0), split backward, W in the
@@ -274,8 +275,26 @@ def zero_bubble_v(
         )
     p = num_stages // 2
     ranks = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
-    return list_schedule(ranks, num_microbatches, split_backward=True, admit=[2 * p - r for r in range(p)],
-                         durations=durations)
+    # A greedy list schedule is not monotonic in its admission limits: try a few, each
+    # rank never above 2P - r (so no rank outgrows the first), keep the shortest, timed
+    # with ``stage_scale`` (each stage's relative time; 1 for all by default).
+    from replica.pipeline.simulate import StageCosts, simulate  # simulate imports this module
+
+    scale = list(stage_scale) if stage_scale is not None and len(stage_scale) == num_stages else [1.0] * num_stages
+    costs = [StageCosts(forward_s=durations[0] * k, backward_s=durations[1] * k, weight_s=durations[2] * k)
+             for k in scale]
+    best: tuple[float, Schedule] | None = None
+    for top, slope in ((2 * p, 1), (2 * p - 1, 0), (2 * p, 0), (2 * p - 1, 1), (2 * p, 2)):
+        admit = [min(2 * p - r, max(1, top - slope * r)) for r in range(p)]
+        try:
+            schedule = list_schedule(ranks, num_microbatches, split_backward=True, admit=admit, durations=durations)
+        except ScheduleError:  # these limits stall the greedy: not a candidate
+            continue
+        step = simulate(schedule, costs).step_time_s
+        if best is None or step < best[0] - 1e-9:
+            best = (step, schedule)
+    assert best is not None  # (2P, 1) is 2P - r: it never stalls
+    return best[1]
 
 
 def zero_bubble_interleaved(
@@ -316,10 +335,11 @@ def splits_backward(schedule: Sequence[Sequence[Action]]) -> bool:
 
 def make_schedule(
     name: str, num_stages: int, num_microbatches: int, num_ranks: int | None = None, *, check: bool = True,
-    durations: tuple[float, float, float] | None = None,
+    durations: tuple[float, float, float] | None = None, stage_scale: Sequence[float] | None = None,
 ) -> Schedule:
     """The named schedule for ``num_stages`` stages over ``num_ranks`` pipeline ranks (default:
-    one stage per rank, or two for interleaved schedules), validated."""
+    one stage per rank, or two for interleaved schedules), validated. ``durations`` (relative
+    F, B, W) and ``stage_scale`` (relative stage times) shape the zero-bubble orders."""
     key = name.lower()
     if num_ranks is not None and num_ranks < 1:
         raise ScheduleError(f"num_ranks must be >= 1, got {num_ranks}")
@@ -334,7 +354,8 @@ def make_schedule(
                 f"pipeline ranks, got num_stages={num_stages} on {num_ranks} ranks; use num_stages="
                 f"{2 * (num_ranks or 1)}"
             )
-        schedule = V_SHAPED[key](num_stages, num_microbatches, durations=durations or (1.0, 1.0, 1.0))
+        schedule = V_SHAPED[key](num_stages, num_microbatches, durations=durations or (1.0, 1.0, 1.0),
+                                 stage_scale=stage_scale)
     elif key in SCHEDULES:
         if num_ranks not in (None, num_stages):
             raise ScheduleError(
@@ -350,6 +371,14 @@ def make_schedule(
     if check:  # the generators are tested; the tuner skips re-validating thousands of them
         validate(schedule, num_stages, num_microbatches)
     return schedule
+
+
+def stage_scale_of(forward_s: Sequence[float], backward_s: Sequence[float]) -> tuple[float, ...]:
+    """Each stage's time relative to the mean stage, rounded alike on every rank: what the
+    V generator weighs its candidate orders by."""
+    totals = [f + b for f, b in zip(forward_s, backward_s)]
+    mean = sum(totals) / max(1, len(totals))
+    return tuple(round(t / mean, 2) if mean > 0 else 1.0 for t in totals)
 
 
 def durations_of(forward_s: Sequence[float], backward_s: Sequence[float]) -> tuple[float, float, float]:
