@@ -2,26 +2,35 @@
 ``torch.distributed`` point-to-point ops (gloo on CPU, NCCL on GPU).
 
 Every message of a step is known before the step starts (the plan says what
-crosses each cut, the shape oracle says its shape), so each rank posts all its
-receives up front, sends as soon as a value exists, and only ever blocks on the
-one receive the next action needs — with a timeout that names the peer.
+crosses each cut, the shape oracle says its shape). Each pair of ranks posts its
+messages in one order both ends derive from the plan (``pipeline/p2p.py``): NCCL
+matches the ops between two ranks by that order, not by tag, and gloo runs the same
+code with tag 0, so every test of the gloo path also tests the order NCCL relies on.
+Receives are posted as soon as the order allows and sends as soon as a value exists;
+a rank only blocks on the one receive the next action needs, with a timeout that
+names the peer. ``REPLICA_P2P=eager`` (gloo only) posts every receive up front and
+matches by tag instead.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from replica.errors import PipelineError
+from replica.errors import ConfigError, PipelineError, ReplicaError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
+from replica.pipeline import p2p
 from replica.pipeline.local import RandomStreams, StepResult, run_stage, weighted_loss
 from replica.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule, placement, splits_backward
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
+from replica.pipeline.simulate import simulate, stage_costs_from_plan
 from replica.pipeline.weightgrad import WeightGrads, collecting
 
 __all__ = ["Topology", "DistributedRuntime"]
@@ -61,7 +70,10 @@ class _Step:
 
     metas: list[dict[str, Any]]
     recvs: dict[tuple[str, int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
-    sends: list[tuple[Any, torch.Tensor, str, int]] = field(default_factory=list)
+    sends: dict[tuple[str, int, int, int], tuple[Any, torch.Tensor, str, int]] = field(default_factory=dict)
+    # ordered posting: per peer, this rank's ops in the pair's order; values not yet sent
+    queues: dict[int, deque[tuple[bool, p2p.Message]]] = field(default_factory=dict)
+    outbox: dict[tuple[str, int, int, int], torch.Tensor] = field(default_factory=dict)
     local_values: dict[tuple[str, int], Any] = field(default_factory=dict)
     local_grads: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     saved: dict[tuple[int, int], tuple[tuple[Any, ...], Any]] = field(default_factory=dict)
@@ -113,6 +125,8 @@ class DistributedRuntime:
             for s in self.stages
         }
         self._make_groups()
+        self.ordered = _ordered_posting()
+        self.messages = {train: self._message_order(schedule, train) for train in (True, False)}
 
     # --- set-up ------------------------------------------------------------------------
     def _local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -156,6 +170,32 @@ class DistributedRuntime:
                 self.tied.append((group, [name] if name in local else []))
         self.tied_names = {n for _, names in self.tied for n in names}
 
+    def _message_order(self, schedule: Schedule, train: bool) -> list[p2p.Message]:
+        """This rank's messages of a training (or inference) step, in the order both ends
+        of each pair post them; checked against NCCL's rules when posting is ordered."""
+        edges = [(b.name, b.source_stage, d) for s in self.plan.stages for b in s.outputs
+                 for d in b.destination_stages]
+        messages = p2p.step_messages(edges, self.place, self.plan.num_microbatches, train=train)
+        actions = schedule if train else self._inference_actions(schedule)
+        priority = None
+        if train:  # ties between ranks go to the action the plan's times say starts first
+            try:
+                timeline = simulate(schedule, stage_costs_from_plan(self.plan, schedule))
+                priority = {e.action: e.start_s for e in timeline.events}
+            except ReplicaError:
+                priority = None
+        full = p2p.ordered(messages, p2p.linearize(actions, messages, priority))
+        if self.ordered:
+            p2p.check_fifo(actions, full)
+        me = self.topology.pipeline_rank
+        return [msg for msg in full if me in (msg.source, msg.dest)]
+
+    @staticmethod
+    def _inference_actions(schedule: Schedule) -> Schedule:
+        """Each rank's forwards in the order inference runs them: micro-batch by micro-batch."""
+        return [sorted((a for a in actions if a.kind == FORWARD), key=lambda a: (a.microbatch_index, a.stage_index))
+                for actions in schedule]
+
     # --- messages ----------------------------------------------------------------------
     def _tag(self, name: str, reader: int, microbatch: int, direction: int) -> int:
         return (microbatch * len(self.channels) + self.channels[(name, reader)]) * 2 + direction
@@ -181,7 +221,20 @@ class DistributedRuntime:
                 f"{what} from {source}"
             )
 
-    def _post_receives(self, step: _Step, num_microbatches: int, train: bool) -> None:
+    def _open(self, step: _Step, num_microbatches: int, train: bool) -> None:
+        """Post what a step may post at its start: every receive (eager), or each pair's
+        ops up to its first send (ordered)."""
+        if self.ordered:
+            me = self.topology.pipeline_rank
+            for msg in self.messages[train]:
+                meta = step.metas[msg.microbatch][msg.name]
+                if not isinstance(meta, TensorMeta) or (msg.direction == BWD and not meta.requires_grad):
+                    continue
+                sending = msg.source == me
+                step.queues.setdefault(msg.dest if sending else msg.source, deque()).append((sending, msg))
+            for peer in step.queues:
+                self._pump(step, peer)
+            return
         for k, stage in self.stages.items():
             for i in range(num_microbatches):
                 meta = step.metas[i]
@@ -202,18 +255,50 @@ class DistributedRuntime:
                             work = dist.irecv(buf, self._peer(d), tag=self._tag(name, d, i, BWD))
                             step.recvs[(name, d, i, BWD)] = (work, buf)
 
+    def _pump(self, step: _Step, peer: int) -> None:
+        """Ordered posting: post ``peer``'s queue from its head, up to a value not made yet."""
+        queue = step.queues[peer]
+        while queue:
+            sending, msg = queue[0]
+            if sending:
+                payload = step.outbox.pop(msg.key, None)
+                if payload is None:
+                    return
+                self._isend(step, payload, msg.key, self.topology.global_rank(peer), tag=0)
+            else:
+                buf = step.metas[msg.microbatch][msg.name].empty(self.device)
+                work = dist.irecv(buf, self.topology.global_rank(peer), tag=0)
+                step.recvs[msg.key] = (work, buf)
+            queue.popleft()
+
     def _received(self, step: _Step, key: tuple[str, int, int, int], action: Action, peer_stage: int) -> torch.Tensor:
-        work, buf = step.recvs.pop(key)
         what = f"{'activation' if key[3] == FWD else 'gradient'} {key[0]!r} of micro-batch {key[2]} (for {action})"
+        if key not in step.recvs:
+            raise PipelineError(
+                f"rank {self.topology.rank} needs the {what} before it posted its receive: the message order "
+                "disagrees with the action lists (a Replica bug; REPLICA_P2P=eager avoids it under gloo)"
+            )
+        work, buf = step.recvs.pop(key)
         self._wait(work, what, self._peer(peer_stage))
+        if key[3] == BWD:  # its activation was read: that send is done
+            sent = step.sends.pop((key[0], key[1], key[2], FWD), None)
+            if sent is not None:
+                self._wait(sent[0], sent[2], sent[3])
         return buf
 
     def _send(self, step: _Step, tensor: torch.Tensor, name: str, reader: int, i: int, direction: int,
               to_stage: int) -> None:
         payload = tensor.detach().contiguous()
-        peer = self._peer(to_stage)
-        work = dist.isend(payload, peer, tag=self._tag(name, reader, i, direction))
-        step.sends.append((work, payload, f"sending {name!r} of micro-batch {i}", peer))
+        key = (name, reader, i, direction)
+        if self.ordered:
+            step.outbox[key] = payload
+            self._pump(step, self.place[to_stage])
+        else:
+            self._isend(step, payload, key, self._peer(to_stage), tag=self._tag(*key))
+
+    def _isend(self, step: _Step, payload: torch.Tensor, key: tuple[str, int, int, int], peer: int, tag: int) -> None:
+        work = dist.isend(payload, peer, tag=tag)
+        step.sends[key] = (work, payload, f"sending {key[0]!r} of micro-batch {key[2]}", peer)
 
     # --- actions -----------------------------------------------------------------------
     def _forward(self, step: _Step, action: Action, inputs: tuple[Any, ...], train: bool) -> Any:
@@ -301,7 +386,7 @@ class DistributedRuntime:
             p.grad = None
         step = _Step(metas=[self.oracle(mb) for mb in microbatches])
         self.random.new_step()
-        self._post_receives(step, m, train=True)
+        self._open(step, m, train=True)
         losses: dict[int, torch.Tensor] = {}
         deferred: dict[tuple[int, int], WeightGrads] = {}
         reductions: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
@@ -320,8 +405,7 @@ class DistributedRuntime:
                 deferred.pop((action.stage_index, i)).apply()
             if n == self.last_backward[action.stage_index]:
                 reductions += self._reduce_data_parallel(action.stage_index)
-        for work, payload, what, peer in step.sends:
-            self._wait(work, what, peer)
+        self._finish_sends(step)
         for work, flat, params in reductions:
             self._wait(work, "the data-parallel gradient all-reduce", "the other replicas")
             flat /= self.topology.data_parallel_size
@@ -339,6 +423,16 @@ class DistributedRuntime:
         work = dist.all_reduce(total, async_op=True)
         self._wait(work, "the loss all-reduce", "every rank")
         return StepResult((total / self.topology.data_parallel_size).cpu(), [])
+
+    def _finish_sends(self, step: _Step) -> None:
+        """Wait for this step's remaining sends; every value must have been sent."""
+        for work, payload, what, peer in step.sends.values():
+            self._wait(work, what, peer)
+        step.sends.clear()
+        unsent = [msg.key for q in step.queues.values() for _, msg in q] + list(step.outbox)
+        if unsent:
+            raise PipelineError(f"rank {self.topology.rank} ended a step with messages never posted: {unsent[:4]} "
+                                "(a Replica bug in the message order)")
 
     def _reduce_data_parallel(self, stage_index: int) -> list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]]:
         """Start averaging a finished stage's gradients over the replicas (one flat bucket)."""
@@ -372,17 +466,15 @@ class DistributedRuntime:
         m = len(microbatches)
         step = _Step(metas=[self.oracle(mb) for mb in microbatches])
         self.random.new_step()
-        self._post_receives(step, m, train=False)
+        self._open(step, m, train=False)
         outputs: list[Any] = [None] * m
-        forwards = sorted((a for a in self.actions if a.kind == FORWARD),
-                          key=lambda a: (a.microbatch_index, a.stage_index))
+        forwards = self._inference_actions([self.actions])[0]
         with torch.no_grad():
             for action in forwards:
                 out = self._forward(step, action, microbatches[action.microbatch_index], train=False)
                 if self.stages[action.stage_index].is_last:
                     outputs[action.microbatch_index] = out
-        for work, payload, what, peer in step.sends:
-            self._wait(work, what, peer)
+        self._finish_sends(step)
         return [self._broadcast_output(outputs[i], step.metas[i]["output"]) for i in range(m)]
 
     def _broadcast_output(self, out: Any, meta_out: Any) -> Any:
@@ -402,3 +494,17 @@ class DistributedRuntime:
             self._wait(work, "the output broadcast", last)
             result.append(buf)
         return tree_unflatten(result, spec)
+
+
+def _ordered_posting() -> bool:
+    """Post each pair's messages in one agreed order (the default; NCCL needs it), unless
+    ``REPLICA_P2P=eager`` asks gloo for every receive up front, matched by tag."""
+    choice = os.environ.get("REPLICA_P2P", "ordered").strip().lower()
+    if choice not in ("ordered", "eager"):
+        raise ConfigError(f"REPLICA_P2P={choice!r}; use 'ordered' (the default) or 'eager' (gloo only)")
+    if choice == "eager" and dist.get_backend() == "nccl":
+        raise ConfigError(
+            "REPLICA_P2P=eager posts every receive up front, which deadlocks under NCCL (it matches point-to-point "
+            "ops by order, not tag); unset REPLICA_P2P"
+        )
+    return choice == "ordered"

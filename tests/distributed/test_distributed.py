@@ -225,6 +225,20 @@ def branchy() -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
+def unet_eager() -> list[list[dict]]:
+    """The U-Net again with REPLICA_P2P=eager: every receive posted up front, matched by tag."""
+    old = os.environ.get("REPLICA_P2P")
+    os.environ["REPLICA_P2P"] = "eager"  # the spawned ranks inherit it
+    try:
+        return _run(transparency_job, 3, "unet", 8, 3, 4, ("1f1b",))
+    finally:
+        if old is None:
+            del os.environ["REPLICA_P2P"]
+        else:
+            os.environ["REPLICA_P2P"] = old
+
+
+@pytest.fixture(scope="module")
 def interleaved() -> list[list[dict]]:
     """Tiny GPT, 4 stages on 2 ranks (two each), interleaved 1F1B."""
     return _run(transparency_job, 2, "tiny_gpt", 8, 4, 4, ("interleaved",))
@@ -274,6 +288,10 @@ def test_unet_long_skips_on_three_ranks(unet):
         reports = [r[k] for r in unet]
         assert [r["stages"] for r in reports] == [[0], [1], [2]]
         _assert_pipeline_cut("unet", reports)
+
+
+def test_unet_with_receives_posted_up_front(unet_eager):
+    _assert_pipeline_cut("unet", [r[0] for r in unet_eager])
 
 
 def test_two_input_branchy_with_uneven_microbatches(branchy):
@@ -338,7 +356,7 @@ def test_pipeline_2_by_data_parallel_2(data_parallel):
         torch.testing.assert_close(g, grads[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("job", ["gpt", "unet", "branchy", "interleaved", "data_parallel"])
+@pytest.mark.parametrize("job", ["gpt", "unet", "unet_eager", "branchy", "interleaved", "data_parallel"])
 def test_pipelined_forward_returns_plain_output_on_every_rank(job, request):
     results = request.getfixturevalue(job)
     reports = results if job == "data_parallel" else [report for rank in results for report in rank]

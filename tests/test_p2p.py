@@ -1,0 +1,107 @@
+"""The agreed message order that NCCL needs: every schedule, chains and long skips."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replica.errors import ScheduleError
+from replica.pipeline.p2p import BWD, FWD, check_fifo, linearize, ordered, step_messages
+from replica.pipeline.schedule import INTERLEAVED, SCHEDULES, V_SHAPED, make_schedule, placement
+
+
+def chain(num_stages: int) -> list[tuple[str, int, int]]:
+    return [(f"x{s}", s, s + 1) for s in range(num_stages - 1)]
+
+
+def skips(num_stages: int) -> list[tuple[str, int, int]]:
+    """A U-Net: every stage's output also goes to its mirror stage."""
+    edges = chain(num_stages)
+    edges += [(f"x{s}", s, num_stages - 1 - s) for s in range(num_stages // 2 - 1)]
+    edges += [("ids", 0, num_stages - 1)]
+    return edges
+
+
+def layouts():
+    for name in SCHEDULES:
+        for p in (2, 3, 4):
+            yield name, p, p
+    for name in INTERLEAVED:
+        for p in (2, 3):
+            yield name, 2 * p, p
+    for name in V_SHAPED:
+        for p in (2, 3):
+            yield name, 2 * p, p
+
+
+@pytest.mark.parametrize("name,num_stages,num_ranks", list(layouts()))
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("edges", [chain, skips])
+def test_ordered_messages_never_hang_under_nccl_rules(name, num_stages, num_ranks, m, edges):
+    m = m * num_ranks if name in INTERLEAVED else m  # interleaving needs a multiple of the ranks
+    schedule = make_schedule(name, num_stages, m, num_ranks)
+    where = placement(schedule)
+    messages = step_messages(edges(num_stages), where, m, train=True)
+    check_fifo(schedule, ordered(messages, linearize(schedule, messages)))
+
+
+def test_messages_of_a_step():
+    where = {0: 0, 1: 1, 2: 1}
+    messages = step_messages([("a", 0, 1), ("b", 1, 2), ("c", 0, 2)], where, 2, train=True)
+    keys = {msg.key for msg in messages}
+    assert keys == {(n, r, i, d) for n, r in (("a", 1), ("c", 2)) for i in range(2) for d in (FWD, BWD)}
+    back = next(msg for msg in messages if msg.key == ("c", 2, 1, BWD))
+    assert (str(back.producer), str(back.consumer), back.source, back.dest) == ("2B1", "0B1", 1, 0)
+    assert all(msg.direction == FWD for msg in step_messages([("a", 0, 1)], where, 2, train=False))
+
+
+def test_up_front_receives_would_hang():
+    """Both ranks posting every receive before any send: NCCL's FIFO streams deadlock."""
+    schedule = make_schedule("1f1b", 2, 4)
+    messages = step_messages(chain(2), placement(schedule), 4, train=True)
+    order = linearize(schedule, messages)
+    # receives-first on both sides cannot be one agreed list; the closest agreed list that
+    # puts gradients (rank 0's receives) before activations hangs the same way
+    grads_first = sorted(messages, key=lambda msg: (msg.direction != BWD, order[msg.producer]))
+    with pytest.raises(ScheduleError, match="would hang under NCCL"):
+        check_fifo(schedule, grads_first)
+
+
+def test_a_reversed_order_hangs():
+    schedule = make_schedule("1f1b", 2, 2)
+    messages = step_messages(chain(2), placement(schedule), 2, train=True)
+    good = ordered(messages, linearize(schedule, messages))
+    check_fifo(schedule, good)
+    with pytest.raises(ScheduleError, match="rank 0 at 0B0, rank 1 at 1F0"):
+        check_fifo(schedule, good[::-1])
+
+
+def test_linearize_respects_ranks_and_messages():
+    schedule = make_schedule("zb-v", 4, 6)
+    messages = step_messages(skips(4), placement(schedule), 6, train=True)
+    order = linearize(schedule, messages, priority={a: -k for k, a in enumerate(schedule[1])})
+    for actions in schedule:
+        assert [order[a] for a in actions] == sorted(order[a] for a in actions)
+    assert all(order[msg.producer] < order[msg.consumer] for msg in messages)
+
+
+def test_a_cycle_is_refused():
+    schedule = make_schedule("1f1b", 2, 2)
+    messages = step_messages(chain(2), placement(schedule), 2, train=True)
+    swapped = [list(reversed(schedule[0])), list(schedule[1])]
+    with pytest.raises(ScheduleError, match="cycle"):
+        linearize(swapped, messages)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(list(layouts())), st.integers(1, 12), st.data())
+def test_random_priorities_still_agree(layout, m, data):
+    """Any tie-breaking gives an order that cannot hang: the priorities only pick among valid ones."""
+    name, num_stages, num_ranks = layout
+    m = m * num_ranks if name in INTERLEAVED else m
+    schedule = make_schedule(name, num_stages, m, num_ranks)
+    messages = step_messages(skips(num_stages), placement(schedule), m, train=True)
+    actions = [a for rank in schedule for a in rank]
+    priority = dict(zip(actions, data.draw(st.lists(st.floats(0, 1), min_size=len(actions), max_size=len(actions)))))
+    check_fifo(schedule, ordered(messages, linearize(schedule, messages, priority)))
