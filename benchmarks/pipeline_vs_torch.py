@@ -174,21 +174,41 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
     return {"times": times, "summaries": summaries, "replicas": replicas}
 
 
-def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0) -> float:
+def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0, v: bool = False) -> float:
+    """Peak RSS of one framework's 1F1B (or, with ``v``, torch's ZBV and Replica's ZB-V)."""
     if vocab:
         CONFIG["vocab_size"] = vocab
     model, x, y = build()
     if framework == "torch":
-        module, sched = torch_pipeline(rank, model)
+        module, sched = torch_pipeline(rank, model, "zbv" if v else "1f1b")
         for _ in range(steps):
-            torch_step(rank, module, sched, x, y)
+            torch_step(rank, module, sched, x, y, v)
     else:
-        pm = replica.auto_parallel(model, (x,), num_stages=2, num_microbatches=MICROBATCHES, loss_fn=loss_fn,
+        pm = replica.auto_parallel(model, (x,), num_stages=4 if v else 2, num_microbatches=MICROBATCHES,
+                                   schedule="zb-v" if v else "1f1b", loss_fn=loss_fn,
                                    graded_microbatches=framework != "replica-even")
         for _ in range(steps):
             pm.zero_grad()
             pm.train_step(x, y)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB
+
+
+def paired(times: dict[str, list[float]], replicas: dict[str, int]) -> None:
+    """Per-round ratios: each round times every mode back to back, so a ratio within a round
+    is free of the slower drifts between rounds; median and range over the rounds."""
+    torch_modes = [k for k in times if k.startswith("torch-")]
+    if not torch_modes:
+        return
+    print("\nper-round tokens/s ratios vs torch (median, min-max over rounds)")
+    print(f"{'mode':<20}" + "".join(f"{'vs ' + t:>26}" for t in torch_modes))
+    for name, ts in times.items():
+        if not name.startswith("replica-"):
+            continue
+        cells = []
+        for t in torch_modes:
+            ratios = [tt / (r / replicas.get(name, 1)) for tt, r in zip(times[t], ts)]
+            cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"{name:<20}" + "".join(f"{c:>26}" for c in cells))
 
 
 def main() -> None:
@@ -207,8 +227,11 @@ def main() -> None:
     schedules = args.schedules.split(",")
     torch_schedules = args.torch_schedules.split(",")
     if args.rss_only:
-        rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, timeout_s=600) for fw in ("torch", "replica", "replica-even")}
-        print("peak RSS per rank (MiB), 1F1B: " + ", ".join(f"{fw} {[round(v) for v in r]}" for fw, r in rss.items()))
+        for v, what in ((False, "1F1B"), (True, "ZBV / ZB-V")):
+            rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, v, timeout_s=600)
+                   for fw in ("torch", "replica", "replica-even")}
+            print(f"peak RSS per rank (MiB), {what}: " + ", ".join(f"{fw} {[round(x) for x in r]}"
+                                                                   for fw, r in rss.items()))
         return
     result = run_local(compare, 2, args.rounds, args.steps, schedules, torch_schedules, args.vocab,
                        timeout_s=3000)[0]
@@ -229,6 +252,7 @@ def main() -> None:
         speedup = base / t
         print(f"{name:<20}{t:>9.3f}{tokens / t:>11.0f}{speedup:>10.2f}x{speedup / ideal:>15.1%}{speedup / 2:>9.1%}"
               f"{best_torch / t:>14.2f}x")
+    paired(result["times"], result["replicas"])
     rss = {}
     if not args.no_rss:
         rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, timeout_s=600) for fw in ("torch", "replica")}

@@ -28,7 +28,8 @@ from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline import p2p
 from replica.pipeline.local import RandomStreams, StepResult, run_stage, weighted_loss
-from replica.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule, placement, splits_backward
+from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, fused_weight_grads, placement,
+                                       splits_backward)
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
 from replica.pipeline.simulate import simulate, stage_costs_from_plan
 from replica.pipeline.weightgrad import WeightGrads, collecting
@@ -119,6 +120,7 @@ class DistributedRuntime:
                         self.channels[(b.name, d)] = len(self.channels)
         self.parameters = self._local_parameters()
         self.split_backward = splits_backward(schedule)
+        self.fused = fused_weight_grads(self.actions)  # W right after its B: one backward
         # the action after which a stage's gradients are final (its last B, or W when split)
         self.last_backward = {
             s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind != FORWARD)
@@ -398,10 +400,11 @@ class DistributedRuntime:
                 if stage.is_last:
                     losses[i] = weighted_loss(loss_fn, out, targets[i], weights[i])
             elif action.kind == BACKWARD:
-                sink = deferred[(action.stage_index, i)] = WeightGrads() if self.split_backward else None
+                split = self.split_backward and (action.stage_index, i) not in self.fused
+                sink = deferred[(action.stage_index, i)] = WeightGrads() if split else None
                 with collecting(sink):
                     self._backward(step, action, losses.get(i) if stage.is_last else None)
-            else:  # W: the weight gradients B left for later
+            elif (action.stage_index, i) not in self.fused:  # W: the weight gradients B left for later
                 deferred.pop((action.stage_index, i)).apply()
             if n == self.last_backward[action.stage_index]:
                 reductions += self._reduce_data_parallel(action.stage_index)

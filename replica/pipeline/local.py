@@ -16,7 +16,8 @@ import torch.utils.checkpoint
 from replica.errors import PipelineError
 from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
-from replica.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule, execution_order, splits_backward
+from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, execution_order, fused_weight_grads,
+                                       splits_backward)
 from replica.pipeline.weightgrad import WeightGrads, collecting
 
 __all__ = ["LocalRuntime", "StepResult", "RandomStreams"]
@@ -87,6 +88,7 @@ class LocalRuntime:
         self.schedule = schedule
         self.order: list[Action] = execution_order(schedule, len(self.stages))
         self.split_backward = splits_backward(schedule)
+        self.fused = fused_weight_grads(self.order)  # W right after its B: one backward
         self.random = RandomStreams(self.stages)
 
     def forward(self, microbatches: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -142,13 +144,13 @@ class LocalRuntime:
                     produced[key] = out
                     values[i].update(zip(stage.output_names, out))
             elif action.kind == BACKWARD:
-                sink = deferred[key] = WeightGrads() if self.split_backward else None
+                sink = deferred[key] = WeightGrads() if self.split_backward and key not in self.fused else None
                 with collecting(sink):
                     self._backward(stage, i, received.pop(key), produced.pop(key), grads[i])
                 for n in stage.output_names:
                     values[i].pop(n, None)
                     grads[i].pop(n, None)
-            else:  # W: the weight gradients B left for later
+            elif key not in self.fused:  # W: the weight gradients B left for later
                 deferred.pop(key).apply()
         loss = torch.stack(losses).sum() if losses else torch.zeros(())
         return StepResult(loss, outputs)

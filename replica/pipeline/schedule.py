@@ -19,7 +19,7 @@ from replica.errors import ScheduleError
 __all__ = [
     "Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zero_bubble_h1",
     "zero_bubble_v", "zero_bubble_interleaved", "list_schedule", "SCHEDULES", "INTERLEAVED", "V_SHAPED", "make_schedule",
-    "stages_per_rank", "splits_backward", "max_in_flight", "WEIGHT_SHARE", "durations_of",
+    "stages_per_rank", "splits_backward", "fused_weight_grads", "max_in_flight", "WEIGHT_SHARE", "durations_of",
     "validate", "placement", "execution_order", "format_grid",
 ]
 
@@ -331,6 +331,15 @@ def stages_per_rank(name: str) -> int:
 def splits_backward(schedule: Sequence[Sequence[Action]]) -> bool:
     """Whether a schedule runs weight gradients (W) apart from input gradients (B)."""
     return any(a.kind == WEIGHT for actions in schedule for a in actions)
+
+
+def fused_weight_grads(actions: Sequence[Action]) -> set[tuple[int, int]]:
+    """``(stage, micro-batch)`` whose W directly follows its B in ``actions``: deferring those
+    gains nothing, so a runtime runs them as one backward (weight gradients computed while
+    their inputs are still in cache) and skips the W."""
+    return {(a.stage_index, a.microbatch_index) for a, b in zip(actions, actions[1:])
+            if a.kind == BACKWARD and b.kind == WEIGHT and a.stage_index == b.stage_index
+            and a.microbatch_index == b.microbatch_index}
 
 
 def make_schedule(

@@ -33,13 +33,18 @@ class WeightGrads:
         return len(self.pending)
 
     def apply(self) -> None:
-        """Accumulate every recorded weight and bias gradient into ``.grad``."""
+        """Accumulate every recorded weight and bias gradient into ``.grad`` (a weight's
+        straight into its existing gradient: no temporary, one pass less over memory)."""
         for weight, bias, x, dy, transposed in self.pending:
-            dw, db = _weight_grads(x, dy, transposed, weight.requires_grad, bias is not None and bias.requires_grad)
-            if dw is not None:
-                _accumulate(weight, dw)
-            if db is not None and bias is not None:
-                _accumulate(bias, db)
+            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+            if weight.requires_grad:
+                a, b = (x2.t(), dy2) if transposed else (dy2.t(), x2)
+                if weight.grad is None:
+                    weight.grad = a.mm(b)
+                else:
+                    weight.grad.addmm_(a, b)
+            if bias is not None and bias.requires_grad:
+                _accumulate(bias, dy2.sum(0))
         self.pending.clear()
 
 
