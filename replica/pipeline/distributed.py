@@ -129,6 +129,7 @@ class DistributedRuntime:
         self._make_groups()
         self.ordered = _ordered_posting()
         self.messages = {train: self._message_order(schedule, train) for train in (True, False)}
+        self._connect_peers()
 
     # --- set-up ------------------------------------------------------------------------
     def _local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -191,6 +192,26 @@ class DistributedRuntime:
             p2p.check_fifo(actions, full)
         me = self.topology.pipeline_rank
         return [msg for msg in full if me in (msg.source, msg.dest)]
+
+    def _connect_peers(self) -> None:
+        """Exchange one small message with every peer, lowest rank first. NCCL creates a
+        pair's communicator at its first point-to-point op and blocks until both ends are
+        there; taken in the pipeline's own order, three ranks could each wait on another
+        (0 on 2, 2 on 1, 1 on 0). Every rank going through its pairs in ascending (low,
+        high) order cannot form such a cycle. A peer that is not there fails here, at set-up."""
+        me = self.topology.pipeline_rank
+        messages = self.messages[True] + self.messages[False]
+        peers = sorted({msg.dest if msg.source == me else msg.source for msg in messages})
+        for peer in peers:
+            rank = self.topology.global_rank(peer)
+            out = torch.full((1,), float(self.topology.rank), device=self.device)
+            back = torch.empty(1, device=self.device)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, rank), dist.P2POp(dist.irecv, back, rank)])
+            for work in works:
+                self._wait(work, "the set-up handshake", rank)
+            if int(back.item()) != rank:
+                raise PipelineError(f"rank {self.topology.rank} expected its set-up handshake from rank {rank}, got "
+                                    f"{int(back.item())}: the ranks run different plans")
 
     @staticmethod
     def _inference_actions(schedule: Schedule) -> Schedule:

@@ -262,8 +262,9 @@ def zero_bubble_v(
     2P-1-r, so the first and the last stage share rank 0), split backward, W in the
     bubbles. Rank r admits ``2P - r`` micro-batches into its first stage: never more than
     the first rank holds (the most of any, as in 1F1B), and enough that the later ranks
-    keep their second stage fed (with ``2(P - r)`` a 4-rank V kept a 20% bubble). ``durations`` (relative F, B, W times; the runtime passes the plan's) shape
-    the order; in unit time, for 4 stages on 2 ranks, 4 micro-batches::
+    keep their second stage fed (with ``2(P - r)`` a 4-rank V kept a 20% bubble).
+    ``durations`` (relative F, B, W times; the runtime passes the plan's) shape the order;
+    in unit time, for 4 stages on 2 ranks, 4 micro-batches::
 
         rank 0: 0F0 0F1 0F2 3F0 3B0 3F1 3B1 0B0 0F3 0B1 3W0 3F2 3B2 3W1 0W0 0B2 0W1 3F3 3B3 3W2 0W2 0B3 3W3 0W3 ...
         rank 1: ... 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 1F2 2F2 2W0 1W0 2B2 1B2 1F3 2F3 2W1 1W1 2B3 1B3 2W2 1W2 2W3 1W3
