@@ -146,3 +146,6 @@ def test_transparency_of_the_other_schedules(case, schedule, num_stages, num_mic
                                schedule=schedule, loss_fn=loss_fn, device=COMPUTE_BOUND)
     torch.testing.assert_close(pm.train_step(inputs, target), ref_loss)
     assert_same_grads(pm, ref)
+    # a .grad that records a graph keeps every micro-batch's activations alive until it is reset
+    recording = [name for name, p in pm.named_parameters() if p.grad is not None and p.grad.grad_fn is not None]
+    assert not recording, f"{schedule}: gradients with a grad_fn: {recording}"

@@ -15,6 +15,7 @@ matches by tag instead.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -72,7 +73,8 @@ class _Step:
     metas: list[dict[str, Any]]
     recvs: dict[tuple[str, int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
     sends: dict[tuple[str, int, int, int], tuple[Any, torch.Tensor, str, int]] = field(default_factory=dict)
-    # ordered posting: per peer, this rank's ops in the pair's order; values not yet sent
+    # ordered posting: per peer, this rank's ops not yet posted, in the pair's order (a send
+    # waits at the head until its value is in ``outbox``)
     queues: dict[int, deque[tuple[bool, p2p.Message]]] = field(default_factory=dict)
     outbox: dict[tuple[str, int, int, int], torch.Tensor] = field(default_factory=dict)
     local_values: dict[tuple[str, int], Any] = field(default_factory=dict)
@@ -120,7 +122,11 @@ class DistributedRuntime:
                         self.channels[(b.name, d)] = len(self.channels)
         self.parameters = self._local_parameters()
         self.split_backward = splits_backward(schedule)
-        self.fused = fused_weight_grads(self.actions)  # W right after its B: one backward
+        # A W right after its own B runs inside that backward, unless the B sends an input
+        # gradient to another rank: fused, that gradient would wait for the weight gradients.
+        sends_back = {k for k, st in self.stages.items() if any(self.place[src] != self.place[k]
+                                                                for src in st.input_sources)}
+        self.fused = {key for key in fused_weight_grads(self.actions) if key[0] not in sends_back}
         # the action after which a stage's gradients are final (its last B, or W when split)
         self.last_backward = {
             s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind != FORWARD)
@@ -194,24 +200,31 @@ class DistributedRuntime:
         return [msg for msg in full if me in (msg.source, msg.dest)]
 
     def _connect_peers(self) -> None:
-        """Exchange one small message with every peer, lowest rank first. NCCL creates a
-        pair's communicator at its first point-to-point op and blocks until both ends are
-        there; taken in the pipeline's own order, three ranks could each wait on another
-        (0 on 2, 2 on 1, 1 on 0). Every rank going through its pairs in ascending (low,
-        high) order cannot form such a cycle. A peer that is not there fails here, at set-up."""
+        """Greet every peer once, lowest rank first, and check that both ends derived the
+        same message order. NCCL creates a pair's communicator at the pair's first
+        ``isend``/``irecv`` and blocks until both ends are there; taken in the pipeline's
+        own order, three ranks could each wait on another (0 on 2, 2 on 1, 1 on 0). With
+        every rank going through its pairs in ascending (low, high) order no such cycle can
+        form. Plain ``isend``/``irecv`` (not ``batch_isend_irecv``, which NCCL may run on
+        another communicator), the lower rank sending first on both sides. A missing peer,
+        or one that ordered the pair's messages differently, fails here, at set-up."""
         me = self.topology.pipeline_rank
-        messages = self.messages[True] + self.messages[False]
-        peers = sorted({msg.dest if msg.source == me else msg.source for msg in messages})
-        for peer in peers:
+        pairs: dict[int, list[p2p.Message]] = {}
+        for train in (True, False):
+            for msg in self.messages[train]:
+                pairs.setdefault(msg.dest if msg.source == me else msg.source, []).append(msg)
+        for peer in sorted(pairs):
             rank = self.topology.global_rank(peer)
-            out = torch.full((1,), float(self.topology.rank), device=self.device)
-            back = torch.empty(1, device=self.device)
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, rank), dist.P2POp(dist.irecv, back, rank)])
-            for work in works:
-                self._wait(work, "the set-up handshake", rank)
-            if int(back.item()) != rank:
-                raise PipelineError(f"rank {self.topology.rank} expected its set-up handshake from rank {rank}, got "
-                                    f"{int(back.item())}: the ranks run different plans")
+            mine = torch.tensor([_digest(pairs[peer])], dtype=torch.int64, device=self.device)
+            theirs = torch.empty(1, dtype=torch.int64, device=self.device)
+            ops = [lambda: dist.isend(mine, rank), lambda: dist.irecv(theirs, rank)]
+            for post in ops if me < peer else ops[::-1]:
+                self._wait(post(), "the set-up handshake", rank)
+            if int(theirs.item()) != int(mine.item()):
+                raise PipelineError(
+                    f"ranks {self.topology.rank} and {rank} derived different orders for the messages between them: "
+                    "they run different plans or schedules (every rank must call auto_parallel alike)"
+                )
 
     @staticmethod
     def _inference_actions(schedule: Schedule) -> Schedule:
@@ -454,9 +467,12 @@ class DistributedRuntime:
             self._wait(work, what, peer)
         step.sends.clear()
         unsent = [msg.key for q in step.queues.values() for _, msg in q] + list(step.outbox)
-        if unsent:
-            raise PipelineError(f"rank {self.topology.rank} ended a step with messages never posted: {unsent[:4]} "
-                                "(a Replica bug in the message order)")
+        unread = list(step.recvs)
+        if unsent or unread:
+            raise PipelineError(
+                f"rank {self.topology.rank} ended a step with messages never posted {unsent[:4]} or never read "
+                f"{unread[:4]} (a Replica bug in the message order)"
+            )
 
     def _reduce_data_parallel(self, stage_index: int) -> list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]]:
         """Start averaging a finished stage's gradients over the replicas (one flat bucket)."""
@@ -532,3 +548,9 @@ def _ordered_posting() -> bool:
             "ops by order, not tag); unset REPLICA_P2P"
         )
     return choice == "ordered"
+
+
+def _digest(messages: Sequence[p2p.Message]) -> int:
+    """A 63-bit fingerprint of a pair's messages in order, the same on both ends."""
+    text = "|".join(f"{m.key}{m.source}>{m.dest}" for m in messages)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1

@@ -32,9 +32,12 @@ class WeightGrads:
     def __len__(self) -> int:
         return len(self.pending)
 
+    @torch.no_grad()
     def apply(self) -> None:
         """Accumulate every recorded weight and bias gradient into ``.grad`` (a weight's
-        straight into its existing gradient: no temporary, one pass less over memory)."""
+        straight into its existing gradient: no temporary, one pass less over memory).
+        Without grad mode: the saved inputs require grad, and a recorded graph would keep
+        every micro-batch's inputs and output gradients alive until ``.grad`` is reset."""
         for weight, bias, x, dy, transposed in self.pending:
             dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
             if weight.requires_grad:
