@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import resource
 import statistics
 import sys
@@ -146,12 +147,15 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
     torch_runs = {t: torch_pipeline(rank, copy.deepcopy(model), t) for t in torch_schedules}
     pms = {}
     for s in schedules:  # "auto": no hint at all, the tuner picks stages, micro-batches and schedule
-        name = s.removesuffix("-even")  # "-even": micro-batches of one size (no grading)
+        # "-even": micro-batches of one size (no grading); "-eager": every receive posted up front
+        name = s.removesuffix("-even").removesuffix("-eager")
         hints = {} if s == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
                                             num_microbatches=MICROBATCHES, schedule=name)
         if s.endswith("-even"):
             hints["graded_microbatches"] = False
+        os.environ["REPLICA_P2P"] = "eager" if s.endswith("-eager") else "ordered"  # read when the pipeline is built
         pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
+    os.environ.pop("REPLICA_P2P", None)
 
     def single() -> None:
         if rank == 0:
@@ -216,7 +220,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint; "
-                        "'<name>-even': without graded micro-batches)")
+                        "'<name>-even': without graded micro-batches; '<name>-eager': REPLICA_P2P=eager)")
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-rss", action="store_true")
