@@ -131,3 +131,31 @@ def test_random_priorities_still_agree(layout, m, data):
     actions = [a for rank in schedule for a in rank]
     priority = dict(zip(actions, data.draw(st.lists(st.floats(0, 1), min_size=len(actions), max_size=len(actions)))))
     check_fifo(schedule, ordered(messages, linearize(schedule, messages, priority)))
+
+
+def test_posting_choice_and_its_errors(monkeypatch):
+    from replica.errors import ConfigError
+    from replica.pipeline import distributed
+
+    monkeypatch.delenv("REPLICA_P2P", raising=False)
+    assert distributed._ordered_posting()
+    monkeypatch.setenv("REPLICA_P2P", "sideways")
+    with pytest.raises(ConfigError, match="REPLICA_P2P='sideways'; use 'ordered'"):
+        distributed._ordered_posting()
+    monkeypatch.setenv("REPLICA_P2P", "eager")
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda *a: "gloo")
+    assert not distributed._ordered_posting()
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda *a: "nccl")
+    with pytest.raises(ConfigError, match="deadlocks under NCCL"):
+        distributed._ordered_posting()
+
+
+def test_pair_digest_tells_orders_apart():
+    from replica.pipeline.distributed import _digest
+
+    schedule = make_schedule("1f1b", 2, 3)
+    messages = ordered(step_messages(chain(2), placement(schedule), 3, train=True),
+                       linearize(schedule, step_messages(chain(2), placement(schedule), 3, train=True)))
+    assert _digest(messages) == _digest(list(messages))
+    assert _digest(messages) != _digest(messages[1:] + messages[:1])
+    assert 0 <= _digest(messages) < 2**63

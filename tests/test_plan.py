@@ -142,10 +142,12 @@ def test_bottleneck_is_the_slowest_stage(plan):
 
 
 def test_predicted_step_time(plan):
-    # simulated: at least the bubble formula's (the cuts also wait on transfers), never far above it
+    # simulated: near the bubble formula's (the cuts also wait on transfers), never far above it;
+    # below it by at most what sending each input gradient before the weight gradients saves
+    # on the way back (a share of each B in the drain)
     p, m = plan.num_stages, plan.num_microbatches
     formula = plan.bottleneck_s * (m + p - 1) / m
-    assert formula * 0.95 <= plan.predicted_step_time_s <= formula * 1.25
+    assert formula * 0.9 <= plan.predicted_step_time_s <= formula * 1.25
 
 
 def test_bubble_fraction(plan):

@@ -334,3 +334,24 @@ def test_plan_memory_bounds_two_stages_per_rank(name):
     where = placement(schedule)
     for r in range(2):  # a rank never holds more than the sum of its stages' own peaks
         assert t.peak_memory_bytes[r] <= sum(s.predicted_memory_bytes for s in plan.stages if where[s.stage_index] == r)
+
+
+def test_an_input_gradient_sent_before_the_weight_gradients_shortens_the_step():
+    """The runtimes send a B's input gradient upstream before its weight gradients; a plan's
+    costs say so (input_grad_share), and the upstream B starts that much sooner."""
+    schedule = make_schedule("1f1b", 2, 4)
+    textbook = simulate(schedule, uniform(2)).step_time_s
+    early = simulate(schedule, [StageCosts(1.0, 2.0, input_grad_share=0.5)] * 2)
+    assert early.step_time_s == pytest.approx(textbook - 1.0)  # the drain's last B on rank 0 starts 1 s sooner
+    b1 = {e.action: e for e in early.events}
+    assert b1[Action(0, "B", 3)].start_s == pytest.approx(b1[Action(1, "B", 3)].start_s + 1.0)
+    with pytest.raises(replica.ConfigError, match="input_grad_share"):
+        StageCosts(1.0, 2.0, input_grad_share=1.5)
+
+
+def test_plan_costs_send_input_gradients_early_only_without_w():
+    model, inputs, _, _ = models.tiny_gpt(8)
+    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND)
+    plain = stage_costs_from_plan(plan, make_schedule("1f1b", 2, 4), device=COMPUTE_BOUND)
+    split = stage_costs_from_plan(plan, make_schedule("zb-h1", 2, 4), device=COMPUTE_BOUND)
+    assert {c.input_grad_share for c in plain} == {0.6} and {c.input_grad_share for c in split} == {1.0}

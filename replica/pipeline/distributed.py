@@ -127,6 +127,10 @@ class DistributedRuntime:
         sends_back = {k for k, st in self.stages.items() if any(self.place[src] != self.place[k]
                                                                 for src in st.input_sources)}
         self.fused = {key for key in fused_weight_grads(self.actions) if key[0] not in sends_back}
+        # Without W actions (GPipe, 1F1B, interleaved) a backward that sends an input gradient
+        # to another rank still runs in two parts, inside its own action: input gradients,
+        # sent at once, then the weight gradients while the upstream rank already works.
+        self.early = set() if self.split_backward else sends_back
         # the action after which a stage's gradients are final (its last B, or W when split)
         self.last_backward = {
             s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind != FORWARD)
@@ -435,9 +439,14 @@ class DistributedRuntime:
                     losses[i] = weighted_loss(loss_fn, out, targets[i], weights[i])
             elif action.kind == BACKWARD:
                 split = self.split_backward and (action.stage_index, i) not in self.fused
-                sink = deferred[(action.stage_index, i)] = WeightGrads() if split else None
+                early = action.stage_index in self.early
+                sink = WeightGrads() if split or early else None
                 with collecting(sink):
                     self._backward(step, action, losses.get(i) if stage.is_last else None)
+                if early:
+                    sink.apply()
+                else:
+                    deferred[(action.stage_index, i)] = sink
             elif (action.stage_index, i) not in self.fused:  # W: the weight gradients B left for later
                 deferred.pop((action.stage_index, i)).apply()
             if n == self.last_backward[action.stage_index]:

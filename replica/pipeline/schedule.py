@@ -146,16 +146,14 @@ def list_schedule(
     split_backward: bool,
     admit: Sequence[int],
     durations: tuple[float, float, float] = (1.0, 1.0, 1.0),
-    max_pending_w: int | None = None,
 ) -> Schedule:
     """Greedy list scheduling: whenever a rank is free it runs a ready B (it unblocks the
     ranks upstream), else the F of its deepest stage that is ready (entering a new
     micro-batch into its first stage only while fewer than ``admit[rank]`` micro-batches
     hold activations there), else a deferred W (which also frees activations); with
-    nothing ready it waits for the next action anywhere to finish. A deferred W holds its
-    layers' inputs and output gradients: with ``max_pending_w`` W's waiting on a rank, it
-    runs one before any F. ``durations`` are the relative times of F, B and W (unit ticks
-    by default). ``stage_ranks[s]`` places stage s. Pure and deterministic.
+    nothing ready it waits for the next action anywhere to finish. ``durations`` are the
+    relative times of F, B and W (unit ticks by default). ``stage_ranks[s]`` places stage
+    s. Pure and deterministic.
     """
     num_stages = len(stage_ranks)
     num_ranks = max(stage_ranks) + 1
@@ -211,8 +209,6 @@ def list_schedule(
         if ready_b[r] and ready_b[r][0][0] <= now:
             _, i, neg = heapq.heappop(ready_b[r])
             choice = Action(-neg, BACKWARD, i)
-        elif max_pending_w is not None and len(pending_w[r]) >= max_pending_w and pending_w[r][0][0] <= now:
-            choice = pending_w[r].popleft()[1]
         else:
             for s in deepest_first[r]:
                 i = next_f[s]

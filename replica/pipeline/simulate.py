@@ -8,6 +8,10 @@ lives on another rank::
     B(s, i)  after  F(s, i),  B(s+1, i) + send(s)  (the gradient of stage s's outputs comes back)
     W(s, i)  after  B(s, i)
 
+A B's input gradient may leave for another rank before the B ends (the runtimes send it
+before a whole backward's weight gradients): there B(s, i) waits only for the first
+``input_grad_share`` of B(s+1, i).
+
 Transfers overlap compute and never contend for a link. Every action is looked at a
 bounded number of times (once per missing dependency, at most two, plus once to run),
 so :func:`simulate` is O(total actions), plus one sort of the events. Nothing here imports
@@ -52,6 +56,9 @@ class StageCosts:
     back); it only counts where the next stage lives on another rank.
     ``activation_bytes`` stay alive from the start of F until the end of B (of W when
     the schedule splits it out); ``static_bytes`` are parameters, gradients and optimizer.
+    ``input_grad_share`` is the part of B after which its input gradient leaves for
+    another rank (1: at its end; the runtimes send it before a whole backward's weight
+    gradients, so plans of schedules without W use ``1 - WEIGHT_SHARE``).
     """
 
     forward_s: float
@@ -62,12 +69,15 @@ class StageCosts:
     static_bytes: int = 0
     forward_fixed_s: float = 0.0  # the part of forward_s a smaller micro-batch does not save (launches)
     backward_fixed_s: float = 0.0
+    input_grad_share: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "weight_s", "send_s", "activation_bytes", "static_bytes",
                      "forward_fixed_s", "backward_fixed_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"StageCosts.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.input_grad_share <= 1:
+            raise ConfigError(f"StageCosts.input_grad_share is a share of B, in [0, 1]; got {self.input_grad_share!r}")
 
 
 @dataclass(frozen=True)
@@ -235,6 +245,7 @@ def simulate(
     if allreduce_s and len(allreduce_s) != num_ranks:
         raise ConfigError(f"allreduce_s has {len(allreduce_s)} entries for {num_ranks} ranks; pass one per rank")
     end: dict[Action, float] = {}
+    sent: dict[Action, float] = {}  # when a B's input gradient left for another rank
     free = [0.0] * num_ranks
     cursor = [0] * num_ranks
     waiting: dict[Action, list[int]] = {}
@@ -253,13 +264,16 @@ def simulate(
                 if dep not in end:
                     missing = dep
                     break
-                start = max(start, end[dep] + delay)
+                across = dep.kind == BACKWARD and where[dep.stage_index] != r
+                start = max(start, (sent[dep] if across else end[dep]) + delay)
             if missing is not None:
                 waiting.setdefault(missing, []).append(r)
                 blocked_on[r] = missing
                 break
             finish = start + _duration(a, costs, size)
             end[a] = finish
+            if a.kind == BACKWARD:
+                sent[a] = start + (finish - start) * costs[a.stage_index].input_grad_share
             free[r] = finish
             cursor[r] += 1
             events.append(Event(r, a, start, finish))
@@ -312,6 +326,7 @@ def stage_costs_from_plan(
             static_bytes=memory.parameters + memory.gradients + memory.optimizer,
             forward_fixed_s=min(stage.fixed_forward_s, forward),
             backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
+            input_grad_share=1.0 if split else 1 - WEIGHT_SHARE,
         ))
     return costs
 
