@@ -122,6 +122,19 @@ class _Planner:
         b = self.memory_budget
         return float("inf") if b is None else float(min(b) if isinstance(b, (list, tuple)) else b)
 
+    def _early_fits(self, plan: Plan, where: dict[int, int]) -> bool:
+        """Whether every rank still fits its budget holding, besides the plan's estimate, one
+        micro-batch's activations more: what a backward keeps for its weight gradients while
+        its input gradient goes to another rank first (any stage but the first may send one)."""
+        held: dict[int, float] = {}
+        extra: dict[int, float] = {}
+        for st in plan.stages:
+            r = where[st.stage_index]
+            held[r] = held.get(r, 0.0) + st.predicted_memory_bytes
+            if st.stage_index > 0:
+                extra[r] = max(extra.get(r, 0.0), st.activation_bytes / plan.num_microbatches)
+        return all(held[r] + extra.get(r, 0.0) <= self.budget_per_device() for r in held)
+
     def partition_for(self, num_stages: int, num_microbatches: int, schedule: str, replicas: int = 1,
                       num_ranks: int | None = None, batch_fraction: float = 1.0, within_budget: bool = True,
                       recompute: bool = False, graded: bool | None = None) -> Plan:
@@ -153,6 +166,7 @@ class _Planner:
                            memory_budget=budget,
                            in_flight=max_in_flight(schedule_data, num_stages),
                            stage_ranks=[where[k] for k in range(num_stages)])
+        result = dataclasses.replace(result, early_input_grads=not recompute and self._early_fits(result, where))
         if splits_backward(schedule_data):  # order the zero-bubble actions by this plan's own times
             schedule_data = plan_schedule(result, num_ranks)
         timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]))

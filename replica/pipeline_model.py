@@ -57,8 +57,8 @@ class PipelineModel:
         self._frozen_mode = frozen_mode_ops(traced.module)
         self.all_stages: list[StageModule] = split(traced, plan)
         self.schedule = plan_schedule(plan, num_pipeline_ranks)
-        if splits_backward(self.schedule) or _distributed():  # linear weight gradients can wait: for their W
-            # action, or (distributed) until the input gradients have been sent upstream
+        if splits_backward(self.schedule) or (_distributed() and plan.early_input_grads):
+            # linear weight gradients can wait: for their W action, or until the input gradients left
             for stage in self.all_stages:
                 defer_linear_weight_grads(stage.module)
         self._canonical = {alias: name for name, aliases in plan.tied_parameters.items() for alias in aliases}

@@ -116,7 +116,7 @@ def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, m: int,
             send_s=(sends / device.link_bandwidth + device.link_latency_s) if remote else 0.0,
             activation_bytes=int(s.activation_bytes / m),
             static_bytes=static,
-            input_grad_share=1.0 if split else 1 - WEIGHT_SHARE,  # sent before the weight gradients
+            input_grad_share=1 - WEIGHT_SHARE if plan.early_input_grads and not split else 1.0,
         ))
         held = 1 if plan.recompute else flights[k]
         memory[where[k]] += static + s.activation_bytes / m * held + sum(b.nbytes for b in s.inputs)

@@ -98,6 +98,10 @@ class Plan:
     simulated_bubble: float = -1.0
     pipeline_ranks: int = 0  # 0: one stage per rank
     microbatch_shares: tuple[float, ...] = ()  # relative micro-batch sizes; () is even
+    # a backward sends its input gradient to another rank before computing its weight
+    # gradients (faster; meanwhile it holds that micro-batch's layer inputs and output
+    # gradients: on only where one micro-batch's activations more fit the memory budget)
+    early_input_grads: bool = True
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:

@@ -130,7 +130,7 @@ class DistributedRuntime:
         # Without W actions (GPipe, 1F1B, interleaved) a backward that sends an input gradient
         # to another rank still runs in two parts, inside its own action: input gradients,
         # sent at once, then the weight gradients while the upstream rank already works.
-        self.early = set() if self.split_backward else sends_back
+        self.early = sends_back if plan.early_input_grads and not self.split_backward else set()
         # the action after which a stage's gradients are final (its last B, or W when split)
         self.last_backward = {
             s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind != FORWARD)

@@ -326,7 +326,7 @@ def stage_costs_from_plan(
             static_bytes=memory.parameters + memory.gradients + memory.optimizer,
             forward_fixed_s=min(stage.fixed_forward_s, forward),
             backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
-            input_grad_share=1.0 if split else 1 - WEIGHT_SHARE,
+            input_grad_share=1 - WEIGHT_SHARE if plan.early_input_grads and not split else 1.0,
         ))
     return costs
 
