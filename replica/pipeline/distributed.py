@@ -4,9 +4,10 @@
 Every message of a step is known before the step starts (the plan says what
 crosses each cut, the shape oracle says its shape). Each pair of ranks posts its
 messages in one order both ends derive from the plan (``pipeline/p2p.py``): NCCL
-matches the ops between two ranks by that order, not by tag, and gloo runs the same
-code with tag 0, so every test of the gloo path also tests the order NCCL relies on.
-Receives are posted as soon as the order allows and sends as soon as a value exists;
+matches the ops between two ranks by that order, not by tag. gloo runs the same code
+with tag 0, so every gloo test checks that the order alone pairs each send with its
+receive; that it cannot hang in NCCL's per-pair FIFO streams is checked at set-up
+(``p2p.check_fifo``). Receives are posted as soon as the order allows and sends as soon as a value exists;
 a rank only blocks on the one receive the next action needs, with a timeout that
 names the peer. ``REPLICA_P2P=eager`` (gloo only) posts every receive up front and
 matches by tag instead.
