@@ -80,7 +80,7 @@ def _forward_error(pm: replica.PipelineModel, ref: torch.nn.Module, inputs: tupl
 
 
 def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: int,
-                     num_microbatches: int, schedules: tuple[str, ...]) -> bytes:
+                     num_microbatches: int, schedules: tuple[str, ...], early: bool = True) -> bytes:
     """One step per schedule, each on a fresh copy of the model: loss and gradients must be
     the plain model's on every rank; the pipelined forward's outcome is reported."""
     reports = []
@@ -92,6 +92,8 @@ def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: i
                                    schedule=schedule, loss_fn=loss_fn, device=COMPUTE_BOUND,
                                    timeout_s=STEP_TIMEOUT_S)
         assert pm.plan.num_stages == num_stages and pm.plan.num_microbatches == num_microbatches
+        if not early:  # what a plan within a tight memory budget does: weight gradients before sending
+            pm.runtime.early = set()
         loss = pm.train_step(inputs, target)
         torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{schedule} loss: {m}")
         names = _assert_same_grads(pm, ref)
@@ -226,11 +228,12 @@ def branchy() -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def unet_eager() -> list[list[dict]]:
-    """The U-Net again with REPLICA_P2P=eager: every receive posted up front, matched by tag."""
+    """The U-Net again with REPLICA_P2P=eager (every receive posted up front, matched by tag)
+    and each backward's weight gradients computed before its input gradient is sent."""
     old = os.environ.get("REPLICA_P2P")
     os.environ["REPLICA_P2P"] = "eager"  # the spawned ranks inherit it
     try:
-        return _run(transparency_job, 3, "unet", 8, 3, 4, ("1f1b",))
+        return _run(transparency_job, 3, "unet", 8, 3, 4, ("1f1b",), False)
     finally:
         if old is None:
             del os.environ["REPLICA_P2P"]
@@ -290,7 +293,7 @@ def test_unet_long_skips_on_three_ranks(unet):
         _assert_pipeline_cut("unet", reports)
 
 
-def test_unet_with_receives_posted_up_front(unet_eager):
+def test_unet_with_receives_posted_up_front_and_late_input_gradients(unet_eager):
     _assert_pipeline_cut("unet", [r[0] for r in unet_eager])
 
 
