@@ -135,23 +135,23 @@ def test_random_priorities_still_agree(layout, m, data):
 
 def test_posting_choice_and_its_errors(monkeypatch):
     from replica.errors import ConfigError
-    from replica.pipeline import distributed
+    from replica.pipeline import mailbox
 
     monkeypatch.delenv("REPLICA_P2P", raising=False)
-    assert distributed._ordered_posting()
+    assert mailbox.ordered_posting()
     monkeypatch.setenv("REPLICA_P2P", "sideways")
     with pytest.raises(ConfigError, match="REPLICA_P2P='sideways'; use 'ordered'"):
-        distributed._ordered_posting()
+        mailbox.ordered_posting()
     monkeypatch.setenv("REPLICA_P2P", "eager")
-    monkeypatch.setattr(distributed.dist, "get_backend", lambda *a: "gloo")
-    assert not distributed._ordered_posting()
-    monkeypatch.setattr(distributed.dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(mailbox.dist, "get_backend", lambda *a: "gloo")
+    assert not mailbox.ordered_posting()
+    monkeypatch.setattr(mailbox.dist, "get_backend", lambda *a: "nccl")
     with pytest.raises(ConfigError, match="deadlocks under NCCL"):
-        distributed._ordered_posting()
+        mailbox.ordered_posting()
 
 
 def test_pair_digest_tells_orders_apart():
-    from replica.pipeline.distributed import _digest
+    from replica.pipeline.mailbox import digest as _digest
 
     schedule = make_schedule("1f1b", 2, 3)
     messages = ordered(step_messages(chain(2), placement(schedule), 3, train=True),

@@ -2,34 +2,26 @@
 ``torch.distributed`` point-to-point ops (gloo on CPU, NCCL on GPU).
 
 Every message of a step is known before the step starts (the plan says what
-crosses each cut, the shape oracle says its shape). Each pair of ranks posts its
-messages in one order both ends derive from the plan (``pipeline/p2p.py``): NCCL
-matches the ops between two ranks by that order, not by tag. gloo runs the same code
-with tag 0, so every gloo test checks that the order alone pairs each send with its
-receive; that it cannot hang in NCCL's per-pair FIFO streams is checked at set-up
-(``p2p.check_fifo``). Receives are posted as soon as the order allows and sends as soon as a value exists;
-a rank only blocks on the one receive the next action needs, with a timeout that
-names the peer. ``REPLICA_P2P=eager`` (gloo only) posts every receive up front and
-matches by tag instead.
+crosses each cut, the shape oracle says its shape); ``pipeline/p2p.py`` fixes the
+order both ends of each pair post them in, and a ``Mailbox`` (``pipeline/mailbox.py``)
+posts one step's share of this rank.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
-import os
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from replica.errors import ConfigError, PipelineError, ReplicaError
+from replica.errors import PipelineError, ReplicaError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline import p2p
 from replica.pipeline.local import RandomStreams, StepResult, run_stage, weighted_loss
+from replica.pipeline.mailbox import Mailbox, greet_peers, ordered_posting
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, fused_weight_grads, placement,
                                        splits_backward)
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
@@ -72,12 +64,7 @@ class _Step:
     """Everything in flight during one step."""
 
     metas: list[dict[str, Any]]
-    recvs: dict[tuple[str, int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
-    sends: dict[tuple[str, int, int, int], tuple[Any, torch.Tensor, str, int]] = field(default_factory=dict)
-    # ordered posting: per peer, this rank's ops not yet posted, in the pair's order (a send
-    # waits at the head until its value is in ``outbox``)
-    queues: dict[int, deque[tuple[bool, p2p.Message]]] = field(default_factory=dict)
-    outbox: dict[tuple[str, int, int, int], torch.Tensor] = field(default_factory=dict)
+    mail: Mailbox
     local_values: dict[tuple[str, int], Any] = field(default_factory=dict)
     local_grads: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     saved: dict[tuple[int, int], tuple[tuple[Any, ...], Any]] = field(default_factory=dict)
@@ -113,14 +100,6 @@ class DistributedRuntime:
         self.actions: list[Action] = list(schedule[me])
         self.stages = {s.stage_index: s for s in stages if self.place[s.stage_index] == me}
         self.random = RandomStreams(stages, replica=topology.data_parallel_rank)
-        # One channel per (value, reading stage) that crosses ranks; a message's tag is
-        # derived from its channel, micro-batch and direction, identically on every rank.
-        self.channels: dict[tuple[str, int], int] = {}
-        for s in plan.stages:
-            for b in s.outputs:
-                for d in b.destination_stages:
-                    if self.place[b.source_stage] != self.place[d]:
-                        self.channels[(b.name, d)] = len(self.channels)
         self.parameters = self._local_parameters()
         self.split_backward = splits_backward(schedule)
         # A W right after its own B runs inside that backward, unless the B sends an input
@@ -138,9 +117,10 @@ class DistributedRuntime:
             for s in self.stages
         }
         self._make_groups()
-        self.ordered = _ordered_posting()
+        self.ordered = ordered_posting()
         self.messages = {train: self._message_order(schedule, train) for train in (True, False)}
-        self._connect_peers()
+        greet_peers(self.messages[True] + self.messages[False], me=topology.pipeline_rank, rank=topology.rank,
+                    global_rank=topology.global_rank, device=device, wait=self._wait)
 
     # --- set-up ------------------------------------------------------------------------
     def _local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -204,33 +184,6 @@ class DistributedRuntime:
         me = self.topology.pipeline_rank
         return [msg for msg in full if me in (msg.source, msg.dest)]
 
-    def _connect_peers(self) -> None:
-        """Greet every peer once, lowest rank first, and check that both ends derived the
-        same message order. NCCL creates a pair's communicator at the pair's first
-        ``isend``/``irecv`` and blocks until both ends are there; taken in the pipeline's
-        own order, three ranks could each wait on another (0 on 2, 2 on 1, 1 on 0). With
-        every rank going through its pairs in ascending (low, high) order no such cycle can
-        form. Plain ``isend``/``irecv`` (not ``batch_isend_irecv``, which NCCL may run on
-        another communicator), the lower rank sending first on both sides. A missing peer,
-        or one that ordered the pair's messages differently, fails here, at set-up."""
-        me = self.topology.pipeline_rank
-        pairs: dict[int, list[p2p.Message]] = {}
-        for train in (True, False):
-            for msg in self.messages[train]:
-                pairs.setdefault(msg.dest if msg.source == me else msg.source, []).append(msg)
-        for peer in sorted(pairs):
-            rank = self.topology.global_rank(peer)
-            mine = torch.tensor([_digest(pairs[peer])], dtype=torch.int64, device=self.device)
-            theirs = torch.empty(1, dtype=torch.int64, device=self.device)
-            ops = [lambda: dist.isend(mine, rank), lambda: dist.irecv(theirs, rank)]
-            for post in ops if me < peer else ops[::-1]:
-                self._wait(post(), "the set-up handshake", rank)
-            if int(theirs.item()) != int(mine.item()):
-                raise PipelineError(
-                    f"ranks {self.topology.rank} and {rank} derived different orders for the messages between them: "
-                    "they run different plans or schedules (every rank must call auto_parallel alike)"
-                )
-
     @staticmethod
     def _inference_actions(schedule: Schedule) -> Schedule:
         """Each rank's forwards in the order inference runs them: micro-batch by micro-batch."""
@@ -238,12 +191,6 @@ class DistributedRuntime:
                 for actions in schedule]
 
     # --- messages ----------------------------------------------------------------------
-    def _tag(self, name: str, reader: int, microbatch: int, direction: int) -> int:
-        return (microbatch * len(self.channels) + self.channels[(name, reader)]) * 2 + direction
-
-    def _peer(self, stage_index: int) -> int:
-        return self.topology.global_rank(self.place[stage_index])
-
     def _wait(self, work: Any, what: str, peer: int | str) -> None:
         """Wait for one message or collective; a dead or silent peer becomes a ``PipelineError``."""
         source = f"rank {peer}" if isinstance(peer, int) else peer
@@ -262,84 +209,17 @@ class DistributedRuntime:
                 f"{what} from {source}"
             )
 
-    def _open(self, step: _Step, num_microbatches: int, train: bool) -> None:
-        """Post what a step may post at its start: every receive (eager), or each pair's
-        ops up to its first send (ordered)."""
-        if self.ordered:
-            me = self.topology.pipeline_rank
-            for msg in self.messages[train]:
-                meta = step.metas[msg.microbatch][msg.name]
-                if not isinstance(meta, TensorMeta) or (msg.direction == BWD and not meta.requires_grad):
-                    continue
-                sending = msg.source == me
-                step.queues.setdefault(msg.dest if sending else msg.source, deque()).append((sending, msg))
-            for peer in step.queues:
-                self._pump(step, peer)
-            return
-        for k, stage in self.stages.items():
-            for i in range(num_microbatches):
-                meta = step.metas[i]
-                for name, src in zip(stage.input_names, stage.input_sources):
-                    if self.place[src] != self.place[k] and isinstance(meta[name], TensorMeta):
-                        buf = meta[name].empty(self.device)
-                        work = dist.irecv(buf, self._peer(src), tag=self._tag(name, k, i, FWD))
-                        step.recvs[(name, k, i, FWD)] = (work, buf)
-                if not train:
-                    continue
-                for name, readers in zip(stage.output_names, stage.output_destinations):
-                    m = meta[name]
-                    if not (isinstance(m, TensorMeta) and m.requires_grad):
-                        continue
-                    for d in readers:
-                        if self.place[d] != self.place[k]:
-                            buf = m.empty(self.device)
-                            work = dist.irecv(buf, self._peer(d), tag=self._tag(name, d, i, BWD))
-                            step.recvs[(name, d, i, BWD)] = (work, buf)
+    def _step(self, microbatches: Sequence[tuple[Any, ...]], train: bool) -> _Step:
+        metas = [self.oracle(mb) for mb in microbatches]
+        mail = Mailbox(self.messages[train], metas, me=self.topology.pipeline_rank,
+                       global_rank=self.topology.global_rank, device=self.device, ordered=self.ordered,
+                       wait=self._wait)
+        return _Step(metas=metas, mail=mail)
 
-    def _pump(self, step: _Step, peer: int) -> None:
-        """Ordered posting: post ``peer``'s queue from its head, up to a value not made yet."""
-        queue = step.queues[peer]
-        while queue:
-            sending, msg = queue[0]
-            if sending:
-                payload = step.outbox.pop(msg.key, None)
-                if payload is None:
-                    return
-                self._isend(step, payload, msg.key, self.topology.global_rank(peer), tag=0)
-            else:
-                buf = step.metas[msg.microbatch][msg.name].empty(self.device)
-                work = dist.irecv(buf, self.topology.global_rank(peer), tag=0)
-                step.recvs[msg.key] = (work, buf)
-            queue.popleft()
-
-    def _received(self, step: _Step, key: tuple[str, int, int, int], action: Action, peer_stage: int) -> torch.Tensor:
+    @staticmethod
+    def _received(step: _Step, key: tuple[str, int, int, int], action: Action) -> torch.Tensor:
         what = f"{'activation' if key[3] == FWD else 'gradient'} {key[0]!r} of micro-batch {key[2]} (for {action})"
-        if key not in step.recvs:
-            raise PipelineError(
-                f"rank {self.topology.rank} needs the {what} before it posted its receive: the message order "
-                "disagrees with the action lists (a Replica bug; REPLICA_P2P=eager avoids it under gloo)"
-            )
-        work, buf = step.recvs.pop(key)
-        self._wait(work, what, self._peer(peer_stage))
-        if key[3] == BWD:  # its activation was read: that send is done
-            sent = step.sends.pop((key[0], key[1], key[2], FWD), None)
-            if sent is not None:
-                self._wait(sent[0], sent[2], sent[3])
-        return buf
-
-    def _send(self, step: _Step, tensor: torch.Tensor, name: str, reader: int, i: int, direction: int,
-              to_stage: int) -> None:
-        payload = tensor.detach().contiguous()
-        key = (name, reader, i, direction)
-        if self.ordered:
-            step.outbox[key] = payload
-            self._pump(step, self.place[to_stage])
-        else:
-            self._isend(step, payload, key, self._peer(to_stage), tag=self._tag(*key))
-
-    def _isend(self, step: _Step, payload: torch.Tensor, key: tuple[str, int, int, int], peer: int, tag: int) -> None:
-        work = dist.isend(payload, peer, tag=tag)
-        step.sends[key] = (work, payload, f"sending {key[0]!r} of micro-batch {key[2]}", peer)
+        return step.mail.receive(key, what)
 
     # --- actions -----------------------------------------------------------------------
     def _forward(self, step: _Step, action: Action, inputs: tuple[Any, ...], train: bool) -> Any:
@@ -358,7 +238,7 @@ class DistributedRuntime:
                 if self.place[src] == self.place[stage.stage_index]:
                     value = step.local_values[(name, i)]
                 else:
-                    value = self._received(step, (name, stage.stage_index, i, FWD), action, src)
+                    value = self._received(step, (name, stage.stage_index, i, FWD), action)
                 values.append(value.detach().requires_grad_(train and m.requires_grad))
             args = tuple(values)
         out = run_stage(stage, args, self.recompute and train, self.random.seed(stage.stage_index, i))
@@ -370,7 +250,7 @@ class DistributedRuntime:
                     if self.place[d] == self.place[stage.stage_index]:
                         step.local_values[(name, i)] = value
                     else:
-                        self._send(step, value, name, d, i, FWD, d)
+                        step.mail.send((name, d, i, FWD), value)
         if train:
             step.saved[(stage.stage_index, i)] = (args, out)
         return out
@@ -393,7 +273,7 @@ class DistributedRuntime:
                     if self.place[d] == self.place[k]:
                         g = step.local_grads.pop((name, i, d))
                     else:
-                        g = self._received(step, (name, d, i, BWD), action, d)
+                        g = self._received(step, (name, d, i, BWD), action)
                     total = g if total is None else total + g
                 if value.requires_grad:
                     tensors.append(value)
@@ -410,7 +290,7 @@ class DistributedRuntime:
             if self.place[src] == self.place[k]:
                 step.local_grads[(name, i, k)] = g
             else:
-                self._send(step, g, name, k, i, BWD, src)
+                step.mail.send((name, k, i, BWD), g)
 
     # --- steps -------------------------------------------------------------------------
     def train_step(
@@ -420,14 +300,12 @@ class DistributedRuntime:
         loss_fn: LossFn,
         weights: Sequence[float],
     ) -> StepResult:
-        m = len(microbatches)
         stash = {}
         for _, p in self.parameters:  # this step's gradients are reduced alone, then added
             stash[id(p)] = p.grad
             p.grad = None
-        step = _Step(metas=[self.oracle(mb) for mb in microbatches])
+        step = self._step(microbatches, train=True)
         self.random.new_step()
-        self._open(step, m, train=True)
         losses: dict[int, torch.Tensor] = {}
         deferred: dict[tuple[int, int], WeightGrads] = {}
         reductions: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
@@ -452,7 +330,7 @@ class DistributedRuntime:
                 deferred.pop((action.stage_index, i)).apply()
             if n == self.last_backward[action.stage_index]:
                 reductions += self._reduce_data_parallel(action.stage_index)
-        self._finish_sends(step)
+        step.mail.finish()
         for work, flat, params in reductions:
             self._wait(work, "the data-parallel gradient all-reduce", "the other replicas")
             flat /= self.topology.data_parallel_size
@@ -470,19 +348,6 @@ class DistributedRuntime:
         work = dist.all_reduce(total, async_op=True)
         self._wait(work, "the loss all-reduce", "every rank")
         return StepResult((total / self.topology.data_parallel_size).cpu(), [])
-
-    def _finish_sends(self, step: _Step) -> None:
-        """Wait for this step's remaining sends; every value must have been sent."""
-        for work, payload, what, peer in step.sends.values():
-            self._wait(work, what, peer)
-        step.sends.clear()
-        unsent = [msg.key for q in step.queues.values() for _, msg in q] + list(step.outbox)
-        unread = list(step.recvs)
-        if unsent or unread:
-            raise PipelineError(
-                f"rank {self.topology.rank} ended a step with messages never posted {unsent[:4]} or never read "
-                f"{unread[:4]} (a Replica bug in the message order)"
-            )
 
     def _reduce_data_parallel(self, stage_index: int) -> list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]]:
         """Start averaging a finished stage's gradients over the replicas (one flat bucket)."""
@@ -514,9 +379,8 @@ class DistributedRuntime:
     def forward(self, microbatches: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Pipelined inference: the last stage's outputs, broadcast to every pipeline rank."""
         m = len(microbatches)
-        step = _Step(metas=[self.oracle(mb) for mb in microbatches])
+        step = self._step(microbatches, train=False)
         self.random.new_step()
-        self._open(step, m, train=False)
         outputs: list[Any] = [None] * m
         forwards = self._inference_actions([self.actions])[0]
         with torch.no_grad():
@@ -524,7 +388,7 @@ class DistributedRuntime:
                 out = self._forward(step, action, microbatches[action.microbatch_index], train=False)
                 if self.stages[action.stage_index].is_last:
                     outputs[action.microbatch_index] = out
-        self._finish_sends(step)
+        step.mail.finish()
         return [self._broadcast_output(outputs[i], step.metas[i]["output"]) for i in range(m)]
 
     def _broadcast_output(self, out: Any, meta_out: Any) -> Any:
@@ -545,22 +409,3 @@ class DistributedRuntime:
             result.append(buf)
         return tree_unflatten(result, spec)
 
-
-def _ordered_posting() -> bool:
-    """Post each pair's messages in one agreed order (the default; NCCL needs it), unless
-    ``REPLICA_P2P=eager`` asks gloo for every receive up front, matched by tag."""
-    choice = os.environ.get("REPLICA_P2P", "ordered").strip().lower()
-    if choice not in ("ordered", "eager"):
-        raise ConfigError(f"REPLICA_P2P={choice!r}; use 'ordered' (the default) or 'eager' (gloo only)")
-    if choice == "eager" and dist.get_backend() == "nccl":
-        raise ConfigError(
-            "REPLICA_P2P=eager posts every receive up front, which deadlocks under NCCL (it matches point-to-point "
-            "ops by order, not tag); unset REPLICA_P2P"
-        )
-    return choice == "ordered"
-
-
-def _digest(messages: Sequence[p2p.Message]) -> int:
-    """A 63-bit fingerprint of a pair's messages in order, the same on both ends."""
-    text = "|".join(f"{m.key}{m.source}>{m.dest}" for m in messages)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
