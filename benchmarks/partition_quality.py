@@ -32,8 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import replica  # noqa: E402
-from examples.gpt.model import GPT, GPTConfig, loss_fn  # noqa: E402
+from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from replica.partition.cost import CostModel, device_spec  # noqa: E402
 from replica.partition.partitioner import partition  # noqa: E402
 from replica.partition.profile import profile  # noqa: E402

@@ -13,7 +13,6 @@ from torch import nn
 import replica
 import replica.partition.partitioner as partitioner
 from replica.partition.cost import CostModel
-from replica.partition.solver import Partition
 from replica.partition.split import split
 from replica.partition.trace import trace
 from tests import models
