@@ -20,6 +20,7 @@ from replica.errors import PipelineError, ReplicaError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline import p2p
+from replica.pipeline.p2p import BWD, FWD
 from replica.pipeline.local import RandomStreams, StepResult, run_stage, weighted_loss
 from replica.pipeline.mailbox import Mailbox, greet_peers, ordered_posting
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, fused_weight_grads, placement,
@@ -31,7 +32,6 @@ from replica.pipeline.weightgrad import WeightGrads, collecting
 __all__ = ["Topology", "DistributedRuntime"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-FWD, BWD = 0, 1
 
 
 @dataclass(frozen=True)
