@@ -91,6 +91,8 @@ class DistributedRuntime:
     ) -> None:
         self.topology = topology
         self.recompute = recompute
+        # GELU / SiLU outputs rebuilt in backward, not kept (pipeline/remat.py); bitwise the same
+        self.pointwise_recompute = True
         self.plan = plan
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
@@ -241,7 +243,8 @@ class DistributedRuntime:
                     value = self._received(step, (name, stage.stage_index, i, FWD), action)
                 values.append(value.detach().requires_grad_(train and m.requires_grad))
             args = tuple(values)
-        out = run_stage(stage, args, self.recompute and train, self.random.seed(stage.stage_index, i))
+        out = run_stage(stage, args, self.recompute and train, self.random.seed(stage.stage_index, i),
+                        pointwise=self.pointwise_recompute)
         if not stage.is_last:
             for name, readers, value in zip(stage.output_names, stage.output_destinations, out):
                 if not isinstance(value, torch.Tensor):

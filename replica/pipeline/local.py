@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 from replica.errors import PipelineError
 from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
+from replica.pipeline.remat import pointwise_recompute
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, execution_order, fused_weight_grads,
                                        splits_backward)
 from replica.pipeline.weightgrad import WeightGrads, collecting
@@ -40,14 +41,17 @@ def _as_leaf(value: Any) -> Any:
     return value
 
 
-def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool, seed: int | None = None) -> Any:
+def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool, seed: int | None = None,
+              pointwise: bool = True) -> Any:
     """A stage's forward; with ``recompute`` only its inputs are kept and the forward runs
-    again inside backward (``torch.utils.checkpoint``, RNG state preserved). ``seed`` seeds
-    the random ops of a stage that has any (see :class:`RandomStreams`)."""
+    again inside backward (``torch.utils.checkpoint``, RNG state preserved); otherwise, with
+    ``pointwise``, only GELU / SiLU outputs are rebuilt in backward (:mod:`.remat`). ``seed``
+    seeds the random ops of a stage that has any (see :class:`RandomStreams`)."""
     with seeded(seed if stage.uses_rng else None, stage.device):
         if recompute and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
-        return stage.module(*args)
+        with pointwise_recompute(pointwise):
+            return stage.module(*args)
 
 
 class RandomStreams:
@@ -85,6 +89,8 @@ class LocalRuntime:
     def __init__(self, stages: Sequence[StageModule], schedule: Schedule, *, recompute: bool = False) -> None:
         self.stages = list(stages)
         self.recompute = recompute
+        # GELU / SiLU outputs rebuilt in backward, not kept (pipeline/remat.py); bitwise the same
+        self.pointwise_recompute = True
         self.schedule = schedule
         self.order: list[Action] = execution_order(schedule, len(self.stages))
         self.split_backward = splits_backward(schedule)
@@ -100,7 +106,8 @@ class LocalRuntime:
             out: Any = None
             for stage in self.stages:
                 args = inputs if stage.is_first else tuple(values[n] for n in stage.input_names)
-                out = run_stage(stage, args, False, self.random.seed(stage.stage_index, i))
+                out = run_stage(stage, args, False, self.random.seed(stage.stage_index, i),
+                                pointwise=self.pointwise_recompute)
                 if not stage.is_last:
                     values.update(zip(stage.output_names, out))
             outputs.append(out)
@@ -133,7 +140,8 @@ class LocalRuntime:
                     args = microbatches[i]
                 else:
                     args = tuple(_as_leaf(values[i][n]) for n in stage.input_names)
-                out = run_stage(stage, args, self.recompute, self.random.seed(stage.stage_index, i))
+                out = run_stage(stage, args, self.recompute, self.random.seed(stage.stage_index, i),
+                                pointwise=self.pointwise_recompute)
                 received[key] = args
                 if stage.is_last:
                     produced[key] = weighted_loss(loss_fn, out, targets[i], weights[i])

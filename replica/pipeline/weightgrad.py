@@ -18,6 +18,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from replica.pipeline import remat
+
 __all__ = ["WeightGrads", "defer_linear_weight_grads", "collecting"]
 
 _active = threading.local()
@@ -27,7 +29,8 @@ class WeightGrads:
     """The deferred weight-gradient work of one (stage, micro-batch) backward."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, bool]] = []
+        # (weight, bias, layer input or its recipe, output gradient, transposed)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None, Any, torch.Tensor, bool]] = []
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -39,6 +42,7 @@ class WeightGrads:
         Without grad mode: the saved inputs require grad, and a recorded graph would keep
         every micro-batch's inputs and output gradients alive until ``.grad`` is reset."""
         for weight, bias, x, dy, transposed in self.pending:
+            x = remat.materialize(x)
             dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
             if weight.requires_grad:
                 a, b = (x2.t(), dy2) if transposed else (dy2.t(), x2)
@@ -82,7 +86,9 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 transposed: bool) -> torch.Tensor:
-        ctx.save_for_backward(x)
+        # The output of a rebuildable op (GELU) is kept as its recipe, rebuilt when W runs.
+        ctx.recipe = remat.rebuildable(x)
+        ctx.save_for_backward(None if ctx.recipe is not None else x)
         # The parameters themselves, not saved-tensor copies: under activation checkpointing a
         # saved tensor comes back as a recomputed alias, and W must accumulate into the Parameter.
         ctx.weight, ctx.bias, ctx.transposed = weight, bias, transposed
@@ -92,7 +98,9 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
+        (saved,) = ctx.saved_tensors
+        x = ctx.recipe if saved is None else saved
+        ctx.recipe = None  # the graph can outlive its backward: do not keep the op's input with it
         weight, bias, transposed = ctx.weight, ctx.bias, ctx.transposed
         dx = None
         if ctx.needs_input_grad[0]:
@@ -101,7 +109,7 @@ class _Linear(torch.autograd.Function):
         if sink is not None:
             sink.pending.append((weight, bias, x, dy, transposed))
             return dx, None, None, None
-        dw, db = _weight_grads(x, dy, transposed, ctx.needs_input_grad[1],
+        dw, db = _weight_grads(remat.materialize(x), dy, transposed, ctx.needs_input_grad[1],
                                bias is not None and ctx.needs_input_grad[2])
         return dx, dw, db, None
 

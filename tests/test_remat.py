@@ -1,0 +1,125 @@
+"""Pointwise recompute: GELU / SiLU outputs are rebuilt in backward, bit for bit, and not kept."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import replica
+from replica.partition.partitioner import _saves_activation
+from replica.partition.trace import trace
+from replica.pipeline import remat
+from replica.pipeline.weightgrad import WeightGrads, collecting, linear
+from tests import models
+from tests.conftest import COMPUTE_BOUND
+
+OPS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def _mlp(x, w1, w2, op, mm):
+    """x -> linear -> op -> linear; returns the output and a weak reference to op's output."""
+    y = op(mm(x, w1))
+    ref = weakref.ref(y)
+    return mm(y, w2), ref
+
+
+def _grads(op, mm, recompute: bool, sink: WeightGrads | None = None):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8, requires_grad=True)  # 3-D: a linear saves a 2-D view of its input
+    w1, w2 = torch.randn(16, 8, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    with remat.pointwise_recompute(recompute):
+        out, kept = _mlp(x, w1, w2, op, mm)
+    gc.collect()
+    alive = kept() is not None
+    with collecting(sink):
+        out.square().sum().backward()
+    if sink is not None:
+        sink.apply()
+    return [t.grad for t in (x, w1, w2)], alive
+
+
+@pytest.mark.parametrize("mm", [F.linear, linear], ids=["F.linear", "deferrable"])
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_the_output_is_not_kept_and_gradients_are_bitwise_equal(name, mm):
+    want, alive = _grads(OPS[name], mm, recompute=False)
+    assert alive  # autograd keeps it for the second linear's weight gradient
+    got, alive = _grads(OPS[name], mm, recompute=True)
+    assert not alive, "the op's output is still held after the forward"
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_a_deferred_weight_gradient_rebuilds_the_output_when_it_runs():
+    want, _ = _grads(F.gelu, linear, recompute=False)
+    sink = WeightGrads()
+    got, alive = _grads(F.gelu, linear, recompute=True, sink=sink)
+    assert not alive
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_a_recipe_is_held_until_the_deferred_weight_gradient():
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, requires_grad=True)
+    w1, w2 = torch.randn(16, 8, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    with remat.pointwise_recompute():
+        out = linear(F.gelu(linear(x, w1)), w2)
+    sink = WeightGrads()
+    with collecting(sink):
+        out.sum().backward()
+    assert any(isinstance(entry[2], remat._Recipe) for entry in sink.pending)
+
+
+def test_an_output_written_in_place_is_kept_as_it_is():
+    """A write after the op (version > 0) means running the op again would not give the
+    saved values: such a tensor is kept, and the gradients still match."""
+    def grads(recompute):
+        torch.manual_seed(0)
+        h = torch.randn(4, 8, requires_grad=True)
+        w = torch.randn(3, 8, requires_grad=True)
+        with remat.pointwise_recompute(recompute):
+            y = F.gelu(h * 1.0)
+            y.mul_(2.0)
+            out = F.linear(y, w)
+        out.sum().backward()
+        return h.grad, w.grad
+
+    for g, w in zip(grads(True), grads(False)):
+        assert torch.equal(g, w)
+
+
+def test_off_outside_grad_mode_and_when_disabled():
+    assert remat.rebuildable(F.gelu(torch.randn(3, requires_grad=True))) is None  # no context active
+    with torch.no_grad(), remat.pointwise_recompute():
+        assert remat.rebuildable(F.gelu(torch.randn(3))) is None
+
+
+def test_pipelined_gradients_are_bitwise_those_without_it():
+    model, inputs, target, loss_fn = models.tiny_gpt(8, num_layers=2, size_ops=True)
+    grads = []
+    for on in (True, False):
+        pm = replica.auto_parallel(copy.deepcopy(model), inputs, num_stages=2, num_microbatches=4,
+                                   schedule="zb-h1", loss_fn=loss_fn, device=COMPUTE_BOUND)
+        pm.runtime.pointwise_recompute = on
+        pm.train_step(inputs, target)
+        grads.append({n: p.grad for n, p in pm.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+def test_the_memory_model_does_not_count_rebuilt_outputs():
+    model, inputs, _, _ = models.tiny_gpt(8, num_layers=2)
+    graph = trace(model, inputs).graph
+    gelus = [n for n in graph if n.target == "gelu"]
+    assert gelus and not any(_saves_activation(n) for n in gelus)
+    assert any(_saves_activation(n) for n in graph if n.target == "linear")
