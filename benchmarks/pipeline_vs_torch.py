@@ -149,7 +149,8 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
     for s in schedules:  # "auto": no hint at all, the tuner picks stages, micro-batches and schedule
         # "-even": micro-batches of one size (no grading); "-eager": every receive posted up front;
         # "-late": a backward computes its weight gradients before sending its input gradient
-        name = s.removesuffix("-even").removesuffix("-eager").removesuffix("-late")
+        # "-keep": GELU outputs kept for backward instead of rebuilt (no pointwise recompute)
+        name = s.removesuffix("-even").removesuffix("-eager").removesuffix("-late").removesuffix("-keep")
         hints = {} if s == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
                                             num_microbatches=MICROBATCHES, schedule=name)
         if s.endswith("-even"):
@@ -158,6 +159,8 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
         if s.endswith("-late"):
             pms[s].runtime.early = set()  # the runtime's switch: no backward sends before its W part
+        if s.endswith("-keep"):
+            pms[s].runtime.pointwise_recompute = set()
     os.environ.pop("REPLICA_P2P", None)
 
     def single() -> None:
@@ -224,7 +227,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint; "
                         "'<name>-even': without graded micro-batches; '<name>-eager': REPLICA_P2P=eager; "
-                        "'<name>-late': input gradients sent after the weight gradients)")
+                        "'<name>-late': input gradients sent after the weight gradients; '<name>-keep': GELU outputs kept, "
+                        "not rebuilt in backward)")
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-rss", action="store_true")

@@ -24,7 +24,6 @@ from replica.partition.cost import CostModel
 from replica.partition.graph import INPUT, OP, Graph, Node, TensorInfo
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
 from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
-from replica.pipeline.remat import RECOMPUTED_OPS
 
 __all__ = ["MemoryModel", "partition", "fingerprint", "in_flight_microbatches", "MAX_EXACT_POSITIONS"]
 
@@ -72,9 +71,7 @@ def in_flight_microbatches(schedule: str, stage_index: int, num_stages: int, num
 
 
 def _saves_activation(n: Node) -> bool:
-    """Whether backward keeps this op's output (GELU / SiLU outputs are rebuilt: pipeline/remat.py)."""
-    return (n.kind == OP and (n.flops > 0 or n.bytes_accessed > 0) and any(t.is_floating for t in n.outputs)
-            and n.target not in RECOMPUTED_OPS)
+    return n.kind == OP and (n.flops > 0 or n.bytes_accessed > 0) and any(t.is_floating for t in n.outputs)
 
 
 def _cut_candidates(graph: Graph, allowed: list[bool], limit: int) -> list[int]:

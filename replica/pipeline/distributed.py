@@ -24,7 +24,7 @@ from replica.pipeline.p2p import BWD, FWD
 from replica.pipeline.local import RandomStreams, StepResult, run_stage, weighted_loss
 from replica.pipeline.mailbox import Mailbox, greet_peers, ordered_posting
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, fused_weight_grads, placement,
-                                       splits_backward)
+                                       max_in_flight, splits_backward)
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
 from replica.pipeline.simulate import simulate, stage_costs_from_plan
 from replica.pipeline.weightgrad import WeightGrads, collecting
@@ -91,8 +91,6 @@ class DistributedRuntime:
     ) -> None:
         self.topology = topology
         self.recompute = recompute
-        # GELU / SiLU outputs rebuilt in backward, not kept (pipeline/remat.py); bitwise the same
-        self.pointwise_recompute = True
         self.plan = plan
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
@@ -113,6 +111,11 @@ class DistributedRuntime:
         # to another rank still runs in two parts, inside its own action: input gradients,
         # sent at once, then the weight gradients while the upstream rank already works.
         self.early = sends_back if plan.early_input_grads and not self.split_backward else set()
+        # stages whose GELU / SiLU outputs are rebuilt in backward, not kept (pipeline/remat.py):
+        # those that hold several micro-batches at once, and those that hold a backward's layer
+        # inputs and output gradients until the input gradients have left (early)
+        self.pointwise_recompute = {k for k, n in enumerate(max_in_flight(schedule, len(stages))) if n > 1}
+        self.pointwise_recompute |= self.early
         # the action after which a stage's gradients are final (its last B, or W when split)
         self.last_backward = {
             s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind != FORWARD)
@@ -244,7 +247,7 @@ class DistributedRuntime:
                 values.append(value.detach().requires_grad_(train and m.requires_grad))
             args = tuple(values)
         out = run_stage(stage, args, self.recompute and train, self.random.seed(stage.stage_index, i),
-                        pointwise=self.pointwise_recompute)
+                        pointwise=stage.stage_index in self.pointwise_recompute)
         if not stage.is_last:
             for name, readers, value in zip(stage.output_names, stage.output_destinations, out):
                 if not isinstance(value, torch.Tensor):

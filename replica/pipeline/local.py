@@ -18,7 +18,7 @@ from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
 from replica.pipeline.remat import pointwise_recompute
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, execution_order, fused_weight_grads,
-                                       splits_backward)
+                                       max_in_flight, splits_backward)
 from replica.pipeline.weightgrad import WeightGrads, collecting
 
 __all__ = ["LocalRuntime", "StepResult", "RandomStreams"]
@@ -89,8 +89,9 @@ class LocalRuntime:
     def __init__(self, stages: Sequence[StageModule], schedule: Schedule, *, recompute: bool = False) -> None:
         self.stages = list(stages)
         self.recompute = recompute
-        # GELU / SiLU outputs rebuilt in backward, not kept (pipeline/remat.py); bitwise the same
-        self.pointwise_recompute = True
+        # stages whose GELU / SiLU outputs are rebuilt in backward, not kept (pipeline/remat.py):
+        # those that hold several micro-batches at once, where the memory adds up
+        self.pointwise_recompute = {k for k, n in enumerate(max_in_flight(schedule, len(stages))) if n > 1}
         self.schedule = schedule
         self.order: list[Action] = execution_order(schedule, len(self.stages))
         self.split_backward = splits_backward(schedule)
@@ -107,7 +108,7 @@ class LocalRuntime:
             for stage in self.stages:
                 args = inputs if stage.is_first else tuple(values[n] for n in stage.input_names)
                 out = run_stage(stage, args, False, self.random.seed(stage.stage_index, i),
-                                pointwise=self.pointwise_recompute)
+                                pointwise=stage.stage_index in self.pointwise_recompute)
                 if not stage.is_last:
                     values.update(zip(stage.output_names, out))
             outputs.append(out)
@@ -141,7 +142,7 @@ class LocalRuntime:
                 else:
                     args = tuple(_as_leaf(values[i][n]) for n in stage.input_names)
                 out = run_stage(stage, args, self.recompute, self.random.seed(stage.stage_index, i),
-                                pointwise=self.pointwise_recompute)
+                                pointwise=stage.stage_index in self.pointwise_recompute)
                 received[key] = args
                 if stage.is_last:
                     produced[key] = weighted_loss(loss_fn, out, targets[i], weights[i])

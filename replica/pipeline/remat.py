@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pointwise_recompute", "rebuildable", "materialize", "RECOMPUTED_OPS"]
+__all__ = ["pointwise_recompute", "rebuildable", "materialize"]
 
 _state = threading.local()
 
@@ -34,9 +34,6 @@ def _gelu(node: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tenso
 def _silu(node: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     return node._saved_self, F.silu
 
-
-# op names (as the traced graph names them) whose outputs are never kept for backward
-RECOMPUTED_OPS = frozenset({"gelu", "silu"})
 
 # autograd node name -> how to find the op's saved input and run the op again
 _RECIPES: dict[str, Callable[[Any], tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]] = {
