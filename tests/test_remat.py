@@ -115,3 +115,18 @@ def test_pipelined_gradients_are_bitwise_those_without_it():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+def test_a_retained_graph_backpropagates_twice_alike():
+    def grads(on):
+        torch.manual_seed(0)
+        x = torch.randn(6, 8, requires_grad=True)
+        w1, w2 = torch.randn(16, 8, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+        with remat.pointwise_recompute(on):
+            out = linear(F.gelu(linear(x, w1)), w2).sum()
+        out.backward(retain_graph=True)
+        out.backward()
+        return [t.grad for t in (x, w1, w2)]
+
+    for g, w in zip(grads(True), grads(False)):
+        assert torch.equal(g, w)

@@ -47,11 +47,17 @@ class _Recipe:
 
     __slots__ = ("source", "op", "size", "stride", "offset")
 
-    def __init__(self, source: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor], view: torch.Tensor) -> None:
-        self.source, self.op = source, op
-        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+    def __init__(self, source: torch.Tensor | None, op: Callable[[torch.Tensor], torch.Tensor],
+                 size: torch.Size, stride: tuple[int, ...], offset: int) -> None:
+        self.source, self.op, self.size, self.stride, self.offset = source, op, size, stride, offset
+
+    def with_source(self, source: torch.Tensor | None) -> "_Recipe":
+        """The same recipe on another source (None: the op and the view alone, for an
+        autograd function that saves the source itself so autograd frees it in time)."""
+        return _Recipe(source, self.op, self.size, self.stride, self.offset)
 
     def rebuild(self) -> torch.Tensor:
+        assert self.source is not None
         with torch.no_grad():
             out = self.op(self.source)
         if out.size() == self.size and out.stride() == self.stride and self.offset == 0:
@@ -86,7 +92,7 @@ def _pack(t: torch.Tensor) -> Any:
     source, op = recipe(node)
     if source.shape != base.shape or source.dtype != base.dtype or source.device != base.device:
         return t
-    return _Recipe(source, op, t)
+    return _Recipe(source, op, t.size(), t.stride(), t.storage_offset())
 
 
 _unpack = materialize

@@ -86,9 +86,11 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 transposed: bool) -> torch.Tensor:
-        # The output of a rebuildable op (GELU) is kept as its recipe, rebuilt when W runs.
-        ctx.recipe = remat.rebuildable(x)
-        ctx.save_for_backward(None if ctx.recipe is not None else x)
+        # The output of a rebuildable op (GELU) is kept as the op's input and a recipe, rebuilt
+        # when W runs. The input is saved the usual way, so autograd frees it after backward.
+        recipe = remat.rebuildable(x)
+        ctx.recipe = None if recipe is None else recipe.with_source(None)
+        ctx.save_for_backward(x if recipe is None else recipe.source)
         # The parameters themselves, not saved-tensor copies: under activation checkpointing a
         # saved tensor comes back as a recomputed alias, and W must accumulate into the Parameter.
         ctx.weight, ctx.bias, ctx.transposed = weight, bias, transposed
@@ -99,8 +101,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (saved,) = ctx.saved_tensors
-        x = ctx.recipe if saved is None else saved
-        ctx.recipe = None  # the graph can outlive its backward: do not keep the op's input with it
+        x = saved if ctx.recipe is None else ctx.recipe.with_source(saved)
         weight, bias, transposed = ctx.weight, ctx.bias, ctx.transposed
         dx = None
         if ctx.needs_input_grad[0]:
