@@ -21,6 +21,7 @@ from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline import p2p
 from replica.pipeline.p2p import BWD, FWD
+from replica.pipeline.gradsync import ReplicaReducer
 from replica.pipeline.local import RandomStreams, StepResult, run_stage, weighted_loss
 from replica.pipeline.mailbox import Mailbox, greet_peers, ordered_posting
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, fused_weight_grads, placement,
@@ -168,6 +169,18 @@ class DistributedRuntime:
             if topo.rank in members:
                 self.tied.append((group, [name] if name in local else []))
         self.tied_names = {n for _, names in self.tied for n in names}
+        # Each stage's gradients are averaged over the replicas as its last backward finishes
+        # them; a weight two local stages share goes with the one whose last backward is later.
+        self.reducer: ReplicaReducer | None = None
+        if self.data_parallel_group is not None:
+            owner: dict[int, int] = {}
+            for k in sorted(self.stages, key=lambda k: self.last_backward[k]):
+                for name, p in self.stages[k].module.named_parameters():
+                    if name not in self.tied_names and p.requires_grad:
+                        owner[id(p)] = k
+            params = {k: [p for p in dict.fromkeys(self.stages[k].module.parameters()) if owner.get(id(p)) == k]
+                      for k in sorted(self.stages)}
+            self.reducer = ReplicaReducer(params, self.data_parallel_group, D, self._wait)
 
     def _message_order(self, schedule: Schedule, train: bool) -> list[p2p.Message]:
         """This rank's messages of a training (or inference) step, in the order both ends
@@ -314,17 +327,19 @@ class DistributedRuntime:
         self.random.new_step()
         losses: dict[int, torch.Tensor] = {}
         deferred: dict[tuple[int, int], WeightGrads] = {}
-        reductions: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
         for n, action in enumerate(self.actions):
             stage = self.stages[action.stage_index]
             i = action.microbatch_index
+            last = n == self.last_backward[action.stage_index]
+            split = self.split_backward and (action.stage_index, i) not in self.fused
+            early = action.stage_index in self.early
+            if last and self.reducer is not None:  # hooks only see final gradients when autograd makes them all
+                self.reducer.arm(action.stage_index, listen=action.kind == BACKWARD and not (split or early))
             if action.kind == FORWARD:
                 out = self._forward(step, action, microbatches[i], train=True)
                 if stage.is_last:
                     losses[i] = weighted_loss(loss_fn, out, targets[i], weights[i])
             elif action.kind == BACKWARD:
-                split = self.split_backward and (action.stage_index, i) not in self.fused
-                early = action.stage_index in self.early
                 sink = WeightGrads() if split or early else None
                 with collecting(sink):
                     self._backward(step, action, losses.get(i) if stage.is_last else None)
@@ -334,16 +349,11 @@ class DistributedRuntime:
                     deferred[(action.stage_index, i)] = sink
             elif (action.stage_index, i) not in self.fused:  # W: the weight gradients B left for later
                 deferred.pop((action.stage_index, i)).apply()
-            if n == self.last_backward[action.stage_index]:
-                reductions += self._reduce_data_parallel(action.stage_index)
+            if last and self.reducer is not None:
+                self.reducer.flush(action.stage_index)
         step.mail.finish()
-        for work, flat, params in reductions:
-            self._wait(work, "the data-parallel gradient all-reduce", "the other replicas")
-            flat /= self.topology.data_parallel_size
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        if self.reducer is not None:
+            self.reducer.finish()
         self._reduce_tied()
         for _, p in self.parameters:
             old = stash[id(p)]
@@ -354,20 +364,6 @@ class DistributedRuntime:
         work = dist.all_reduce(total, async_op=True)
         self._wait(work, "the loss all-reduce", "every rank")
         return StepResult((total / self.topology.data_parallel_size).cpu(), [])
-
-    def _reduce_data_parallel(self, stage_index: int) -> list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]]:
-        """Start averaging a finished stage's gradients over the replicas (one flat bucket)."""
-        if self.data_parallel_group is None:
-            return []
-        done = {id(p) for k in self.stages if self.last_backward[k] > self.last_backward[stage_index]
-                for p in self.stages[k].module.parameters()}
-        params = [p for name, p in self.stages[stage_index].module.named_parameters()
-                  if p.grad is not None and id(p) not in done and name not in self.tied_names]
-        if not params:
-            return []
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        work = dist.all_reduce(flat, group=self.data_parallel_group, async_op=True)
-        return [(work, flat, params)]
 
     def _reduce_tied(self) -> None:
         """Sum each tied weight's gradient over the ranks holding it; average over replicas."""

@@ -109,14 +109,15 @@ def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: i
     return _portable(reports)
 
 
-def data_parallel_job(rank: int, world: int, num_stages: int, num_microbatches: int) -> bytes:
+def data_parallel_job(rank: int, world: int, num_stages: int, num_microbatches: int,
+                      schedule: str = "1f1b") -> bytes:
     """Each replica trains on its own half of a batch of 16; gradients are the whole batch's."""
     torch.manual_seed(0)
     model, inputs, target, loss_fn = models.tiny_gpt(16, size_ops=True)
     ref, ref_loss = _reference(model, inputs, target, loss_fn)
     example = tuple(x[:8] for x in inputs)
     pm = replica.auto_parallel(model, example, num_stages=num_stages, num_microbatches=num_microbatches,
-                               loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S)
+                               schedule=schedule, loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S)
     d = pm.data_parallel_rank
     mine = slice(8 * d, 8 * d + 8)
     my_inputs = tuple(x[mine] for x in inputs)
@@ -253,6 +254,12 @@ def data_parallel() -> list[dict]:
     return _run(data_parallel_job, 4, 2, 2)
 
 
+@pytest.fixture(scope="module")
+def pure_data_parallel() -> list[dict]:
+    """Tiny GPT, 1 stage × 2 replicas: every gradient is reduced by the bucket hooks."""
+    return _run(data_parallel_job, 2, 1, 2)
+
+
 def test_tiny_gpt_tied_weight_gpipe_and_1f1b(gpt):
     for k, schedule in enumerate(("gpipe", "1f1b")):
         reports = [r[k] for r in gpt]
@@ -357,6 +364,53 @@ def test_pipeline_2_by_data_parallel_2(data_parallel):
     grads = [r["tied_grad"] for r in results]
     for g in grads[1:]:
         torch.testing.assert_close(g, grads[0], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def data_parallel_zero_bubble() -> list[dict]:
+    """2 stages × 2 replicas under ZB-H1: a stage's last action may be a deferred W."""
+    return _run(data_parallel_job, 4, 2, 3, "zb-h1")
+
+
+def test_data_parallel_under_zero_bubble(data_parallel_zero_bubble):
+    results = data_parallel_zero_bubble  # each rank compared its gradients with the whole batch's
+    assert len({r["loss"] for r in results}) == 1
+
+
+def test_pure_data_parallel(pure_data_parallel):
+    results = pure_data_parallel  # each replica compared its gradients with the whole batch's
+    assert [(r["pipeline_rank"], r["data_parallel_rank"], r["data_parallel_size"]) for r in results] == \
+        [(0, 0, 2), (0, 1, 2)]
+    assert results[0]["loss"] == results[1]["loss"]
+
+
+def bucket_job(rank: int, world: int) -> dict[str, Any]:
+    """The reducer on its own: tiny buckets; some start during backward, all average right."""
+    import torch.distributed as dist
+    from replica.pipeline.gradsync import ReplicaReducer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    x = torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    ref(x).square().sum().backward()  # the average of rank 0's and rank 1's (= 3 x rank 0's) gradients
+    reducer = ReplicaReducer({0: list(model.parameters())}, dist.group.WORLD, world,
+                             lambda work, what, peer: work.wait(), bucket_bytes=1)
+    reducer.arm(0)
+    (model(x) * (1 + rank)).square().sum().backward()
+    during = len(reducer.works)
+    reducer.flush(0)
+    after = len(reducer.works)
+    reducer.finish()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad * 2.5)  # (1 + 4) / 2
+    return {"during": during, "after": after}
+
+
+def test_bucket_all_reduces_start_during_backward():
+    for report in _run(bucket_job, 2):
+        assert report["after"] == 8  # one bucket per parameter (bucket_bytes=1)
+        assert report["during"] == 8  # autograd finished every one inside backward
 
 
 @pytest.mark.parametrize("job", ["gpt", "unet", "unet_eager", "branchy", "interleaved", "data_parallel"])
