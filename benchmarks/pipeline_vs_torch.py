@@ -1,7 +1,8 @@
 """Replica vs torch.distributed.pipelining on 2 CPU ranks (gloo, 1 thread each), side by side.
 
 GPT 8 layers, d=256, vocab 512, batch 32×128, 8 micro-batches. Modes, alternated
-round by round in one pair of processes so machine noise hits all alike:
+round by round in one pair of processes so machine noise hits all alike (each round
+starts one mode later, so every mode runs in every place of a round in turn):
 
 - ``single``: the plain model, one process, one thread (rank 0 alone; rank 1 waits);
 - ``torch-1f1b``: torch's ``Schedule1F1B`` on hand-built stages split at the middle block
@@ -149,9 +150,12 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
     for s in schedules:  # "auto": no hint at all, the tuner picks stages, micro-batches and schedule
         # "-even": micro-batches of one size (no grading); "-eager": every receive posted up front;
         # "-late": a backward computes its weight gradients before sending its input gradient
-        # "-keep": GELU outputs kept for backward instead of rebuilt (no pointwise recompute)
-        name = s.removesuffix("-even").removesuffix("-eager").removesuffix("-late").removesuffix("-keep")
-        hints = {} if s == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
+        # "-keep": GELU outputs kept for backward instead of rebuilt (no pointwise recompute);
+        # "-after": data-parallel all-reduces started after the backward, not during it
+        name = s
+        for suffix in ("-even", "-eager", "-late", "-keep", "-after"):
+            name = name.removesuffix(suffix)
+        hints = {} if name == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
                                             num_microbatches=MICROBATCHES, schedule=name)
         if s.endswith("-even"):
             hints["graded_microbatches"] = False
@@ -161,6 +165,10 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
             pms[s].runtime.early = set()  # the runtime's switch: no backward sends before its W part
         if s.endswith("-keep"):
             pms[s].runtime.pointwise_recompute = set()
+        reducer = pms[s].runtime.reducer
+        if s.endswith("-after") and reducer is not None:
+            arm = reducer.arm
+            reducer.arm = lambda stage, listen=True, arm=arm: arm(stage, listen=False)
     os.environ.pop("REPLICA_P2P", None)
 
     def single() -> None:
@@ -176,9 +184,12 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
     for fn in modes.values():  # warm up every path once
         timed(fn, 1)
     times: dict[str, list[float]] = {k: [] for k in modes}
-    for _ in range(rounds):
-        for name, fn in modes.items():
-            times[name].append(timed(fn, steps))
+    order = list(modes)
+    for r in range(rounds):
+        # each round starts one mode later: a mode's place in the round (right after torch's
+        # step, say) measurably changes its time, so every mode takes every place in turn
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            times[name].append(timed(modes[name], steps))
     summaries = {s: pm.plan.summary() for s, pm in pms.items()}
     replicas = {f"replica-{s}": pm.data_parallel_size for s, pm in pms.items()}  # each replica feeds a batch
     return {"times": times, "summaries": summaries, "replicas": replicas}
@@ -228,7 +239,7 @@ def main() -> None:
     parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint; "
                         "'<name>-even': without graded micro-batches; '<name>-eager': REPLICA_P2P=eager; "
                         "'<name>-late': input gradients sent after the weight gradients; '<name>-keep': GELU outputs kept, "
-                        "not rebuilt in backward)")
+                        "not rebuilt in backward; '<name>-after': data-parallel all-reduces after the backward)")
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-rss", action="store_true")
