@@ -150,21 +150,21 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
     for s in schedules:  # "auto": no hint at all, the tuner picks stages, micro-batches and schedule
         # "-even": micro-batches of one size (no grading); "-eager": every receive posted up front;
         # "-late": a backward computes its weight gradients before sending its input gradient
-        # "-keep": GELU outputs kept for backward instead of rebuilt (no pointwise recompute);
+        # "-pointwise": GELU outputs rebuilt in backward (recompute="pointwise");
         # "-after": data-parallel all-reduces started after the backward, not during it
         name = s
-        for suffix in ("-even", "-eager", "-late", "-keep", "-after"):
+        for suffix in ("-even", "-eager", "-late", "-pointwise", "-after"):
             name = name.removesuffix(suffix)
         hints = {} if name == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
                                             num_microbatches=MICROBATCHES, schedule=name)
         if s.endswith("-even"):
             hints["graded_microbatches"] = False
+        if s.endswith("-pointwise"):
+            hints["recompute"] = "pointwise"
         os.environ["REPLICA_P2P"] = "eager" if s.endswith("-eager") else "ordered"  # read when the pipeline is built
         pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
         if s.endswith("-late"):
             pms[s].runtime.early = set()  # the runtime's switch: no backward sends before its W part
-        if s.endswith("-keep"):
-            pms[s].runtime.pointwise_recompute = set()
         reducer = pms[s].runtime.reducer
         if s.endswith("-after") and reducer is not None:
             arm = reducer.arm
@@ -207,7 +207,8 @@ def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0, v
     else:
         pm = replica.auto_parallel(model, (x,), num_stages=4 if v else 2, num_microbatches=MICROBATCHES,
                                    schedule="zb-v" if v else "1f1b", loss_fn=loss_fn,
-                                   graded_microbatches=framework != "replica-even")
+                                   graded_microbatches=framework != "replica-even",
+                                   recompute="pointwise" if framework == "replica-pointwise" else None)
         for _ in range(steps):
             pm.zero_grad()
             pm.train_step(x, y)
@@ -238,12 +239,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint; "
                         "'<name>-even': without graded micro-batches; '<name>-eager': REPLICA_P2P=eager; "
-                        "'<name>-late': input gradients sent after the weight gradients; '<name>-keep': GELU outputs kept, "
-                        "not rebuilt in backward; '<name>-after': data-parallel all-reduces after the backward)")
+                        "'<name>-late': input gradients sent after the weight gradients; '<name>-pointwise': GELU outputs "
+                        "rebuilt in backward; '<name>-after': data-parallel all-reduces after the backward)")
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-rss", action="store_true")
-    parser.add_argument("--rss-only", action="store_true", help="measure peak RSS only (torch, replica, even)")
+    parser.add_argument("--rss-only", action="store_true", help="measure peak RSS only (torch, replica, "
+                        "even, pointwise)")
     parser.add_argument("--json", help="also write the raw figures here")
     args = parser.parse_args()
     CONFIG["vocab_size"] = args.vocab
@@ -252,7 +254,7 @@ def main() -> None:
     if args.rss_only:
         for v, what in ((False, "1F1B"), (True, "ZBV / ZB-V")):
             rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, v, timeout_s=600)
-                   for fw in ("torch", "replica", "replica-even")}
+                   for fw in ("torch", "replica", "replica-even", "replica-pointwise")}
             print(f"peak RSS per rank (MiB), {what}: " + ", ".join(f"{fw} {[round(x) for x in r]}"
                                                                    for fw, r in rss.items()))
         return
@@ -278,7 +280,8 @@ def main() -> None:
     paired(result["times"], result["replicas"])
     rss = {}
     if not args.no_rss:
-        rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, timeout_s=600) for fw in ("torch", "replica")}
+        rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, timeout_s=600)
+               for fw in ("torch", "replica", "replica-pointwise")}
         print("peak RSS per rank (MiB): " + ", ".join(f"{fw} {[round(v) for v in r]}" for fw, r in rss.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"median_s": med, "rss_mib": rss, "ideal": ideal}, indent=2))

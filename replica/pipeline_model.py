@@ -75,7 +75,8 @@ class PipelineModel:
             self.data_parallel_rank = topology.data_parallel_rank
             self._release_remote_weights()
         else:
-            self.runtime = LocalRuntime(self.all_stages, self.schedule, recompute=plan.recompute)
+            self.runtime = LocalRuntime(self.all_stages, self.schedule, recompute=plan.recompute,
+                                        pointwise_recompute=plan.pointwise_recompute)
             self.stages = self.all_stages
             self.pipeline_rank = 0
             self.data_parallel_rank = 0

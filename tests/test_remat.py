@@ -106,9 +106,10 @@ def test_pipelined_gradients_are_bitwise_those_without_it():
     grads = []
     for on in (True, False):
         pm = replica.auto_parallel(copy.deepcopy(model), inputs, num_stages=2, num_microbatches=4,
-                                   schedule="zb-h1", loss_fn=loss_fn, device=COMPUTE_BOUND)
+                                   schedule="zb-h1", loss_fn=loss_fn, device=COMPUTE_BOUND,
+                                   recompute="pointwise" if on else None)
         # 1F1B-shaped: the first stage holds two micro-batches at once, the last one
-        assert pm.runtime.pointwise_recompute == {0}
+        assert pm.runtime.pointwise_recompute == ({0} if on else set())
         pm.runtime.pointwise_recompute = {0, 1} if on else set()
         pm.train_step(inputs, target)
         grads.append({n: p.grad for n, p in pm.named_parameters()})
@@ -130,3 +131,38 @@ def test_a_retained_graph_backpropagates_twice_alike():
 
     for g, w in zip(grads(True), grads(False)):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("schedule,num_stages", [("1f1b", 3), ("zb-v", 4), ("interleaved", 4)])
+def test_pipelined_gradients_equal_the_plain_model(schedule, num_stages):
+    model, inputs, target, loss_fn = models.tiny_gpt(8, size_ops=True)
+    ref = copy.deepcopy(model)
+    ref_loss = loss_fn(ref(*inputs), target)
+    ref_loss.backward()
+    pm = replica.auto_parallel(model, inputs, num_stages=num_stages, num_microbatches=4, schedule=schedule,
+                               loss_fn=loss_fn, device=COMPUTE_BOUND, recompute="pointwise")
+    assert pm.plan.pointwise_recompute and pm.runtime.pointwise_recompute
+    torch.testing.assert_close(pm.train_step(inputs, target), ref_loss.detach())
+    got = dict(pm.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_off_unless_asked_and_kept_in_the_plan():
+    model, inputs, _, loss_fn = models.tiny_gpt(8, num_layers=2)
+    plain = replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND)
+    assert not plain.pointwise_recompute
+    asked = replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND,
+                         recompute="pointwise")
+    assert asked.pointwise_recompute and not asked.recompute
+    assert replica.Plan.from_json(asked.to_json()).pointwise_recompute
+    assert "rebuilding GELU outputs" in asked.summary()
+    full = replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND, recompute=True)
+    assert full.recompute and not full.pointwise_recompute
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, "selective"])
+def test_a_bad_recompute_names_the_choices(bad):
+    model, inputs, _, loss_fn = models.tiny_gpt(8, num_layers=2)
+    with pytest.raises(replica.ReplicaError, match=r"recompute must be True .*'pointwise'.* got"):
+        replica.auto_parallel(model, inputs, num_stages=2, loss_fn=loss_fn, device=COMPUTE_BOUND, recompute=bad)

@@ -102,6 +102,9 @@ class Plan:
     # gradients (faster; meanwhile it holds that micro-batch's layer inputs and output
     # gradients: on only where one micro-batch's activations more fit the memory budget)
     early_input_grads: bool = True
+    # stages that hold several micro-batches rebuild GELU / SiLU outputs in backward instead
+    # of keeping them (pipeline/remat.py): less memory, about 1-2% more time; opt-in
+    pointwise_recompute: bool = False
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -189,7 +192,8 @@ class Plan:
             f"{self.model_name}: {self.num_stages} stages × {self.data_parallel_size} "
             f"replica{'s' if self.data_parallel_size != 1 else ''}, "
             f"{self.num_microbatches} micro-batches, {self.schedule}"
-            f"{', recomputing activations' if self.recompute else ''}, on {self.device}"
+            f"{', recomputing activations' if self.recompute else ''}"
+            f"{', rebuilding GELU outputs' if self.pointwise_recompute else ''}, on {self.device}"
         ), title_justify="left")
         for col in ("stage", "ops", "params", "modules", "fwd+bwd", "comm", "memory", "sends"):
             table.add_column(col, justify="left" if col in ("modules", "sends") else "right")

@@ -20,12 +20,12 @@ from replica.errors import PipelineError, ReplicaError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline import p2p
-from replica.pipeline.p2p import BWD, FWD
 from replica.pipeline.gradsync import ReplicaReducer
-from replica.pipeline.local import RandomStreams, StepResult, run_stage, weighted_loss
+from replica.pipeline.p2p import BWD, FWD
+from replica.pipeline.local import RandomStreams, StepResult, holding_several, run_stage, weighted_loss
 from replica.pipeline.mailbox import Mailbox, greet_peers, ordered_posting
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, fused_weight_grads, placement,
-                                       max_in_flight, splits_backward)
+                                       splits_backward)
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
 from replica.pipeline.simulate import simulate, stage_costs_from_plan
 from replica.pipeline.weightgrad import WeightGrads, collecting
@@ -115,8 +115,8 @@ class DistributedRuntime:
         # stages whose GELU / SiLU outputs are rebuilt in backward, not kept (pipeline/remat.py):
         # those that hold several micro-batches at once, and those that hold a backward's layer
         # inputs and output gradients until the input gradients have left (early)
-        self.pointwise_recompute = {k for k, n in enumerate(max_in_flight(schedule, len(stages))) if n > 1}
-        self.pointwise_recompute |= self.early
+        self.pointwise_recompute = ((holding_several(schedule, len(stages)) & set(self.stages)) | self.early
+                                    if plan.pointwise_recompute else set())
         # the action after which a stage's gradients are final (its last B, or W when split)
         self.last_backward = {
             s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind != FORWARD)

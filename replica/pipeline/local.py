@@ -54,6 +54,12 @@ def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool, seed: 
             return stage.module(*args)
 
 
+def holding_several(schedule: Schedule, num_stages: int) -> set[int]:
+    """The stages that hold more than one micro-batch's activations at once, where a memory
+    saving per micro-batch adds up."""
+    return {k for k, n in enumerate(max_in_flight(schedule, num_stages)) if n > 1}
+
+
 class RandomStreams:
     """Seeds for the random ops of a step: one per (stage, micro-batch, replica), derived from
     one number drawn from torch's default generator when the step starts, so a seeded run
@@ -86,12 +92,12 @@ def weighted_loss(loss_fn: LossFn, out: Any, target: Any, weight: float) -> torc
 class LocalRuntime:
     """Executes a schedule's actions over ``stages`` (all in this process)."""
 
-    def __init__(self, stages: Sequence[StageModule], schedule: Schedule, *, recompute: bool = False) -> None:
+    def __init__(self, stages: Sequence[StageModule], schedule: Schedule, *, recompute: bool = False,
+                 pointwise_recompute: bool = False) -> None:
         self.stages = list(stages)
         self.recompute = recompute
-        # stages whose GELU / SiLU outputs are rebuilt in backward, not kept (pipeline/remat.py):
-        # those that hold several micro-batches at once, where the memory adds up
-        self.pointwise_recompute = {k for k, n in enumerate(max_in_flight(schedule, len(stages))) if n > 1}
+        # stages whose GELU / SiLU outputs are rebuilt in backward, not kept (pipeline/remat.py)
+        self.pointwise_recompute = holding_several(schedule, len(stages)) if pointwise_recompute else set()
         self.schedule = schedule
         self.order: list[Action] = execution_order(schedule, len(self.stages))
         self.split_backward = splits_backward(schedule)

@@ -80,7 +80,8 @@ def _forward_error(pm: replica.PipelineModel, ref: torch.nn.Module, inputs: tupl
 
 
 def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: int,
-                     num_microbatches: int, schedules: tuple[str, ...], early: bool = True) -> bytes:
+                     num_microbatches: int, schedules: tuple[str, ...], early: bool = True,
+                     recompute: bool | str | None = None) -> bytes:
     """One step per schedule, each on a fresh copy of the model: loss and gradients must be
     the plain model's on every rank; the pipelined forward's outcome is reported."""
     reports = []
@@ -90,7 +91,7 @@ def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: i
         ref, ref_loss = _reference(model, inputs, target, loss_fn)  # before auto_parallel frees weights
         pm = replica.auto_parallel(model, inputs, num_stages=num_stages, num_microbatches=num_microbatches,
                                    schedule=schedule, loss_fn=loss_fn, device=COMPUTE_BOUND,
-                                   timeout_s=STEP_TIMEOUT_S)
+                                   timeout_s=STEP_TIMEOUT_S, recompute=recompute)
         assert pm.plan.num_stages == num_stages and pm.plan.num_microbatches == num_microbatches
         if not early:  # what a plan within a tight memory budget does: weight gradients before sending
             pm.runtime.early = set()
@@ -98,6 +99,7 @@ def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: i
         torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{schedule} loss: {m}")
         names = _assert_same_grads(pm, ref)
         reports.append({
+            "pointwise": sorted(pm.runtime.pointwise_recompute),
             "schedule": schedule,
             "loss": loss.item(),
             "names": names,
@@ -216,6 +218,12 @@ def gpt() -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
+def gpt_pointwise() -> list[list[dict]]:
+    """Tiny GPT, 2 stages on 2 ranks, 1f1b then zb-h1, GELU outputs rebuilt in backward."""
+    return _run(transparency_job, 2, "tiny_gpt", 8, 2, 4, ("1f1b", "zb-h1"), True, "pointwise")
+
+
+@pytest.fixture(scope="module")
 def unet() -> list[list[dict]]:
     """U-Net, skips across the whole net, 3 stages on 3 ranks, gpipe then 1f1b."""
     return _run(transparency_job, 3, "unet", 8, 3, 4, ("gpipe", "1f1b"))
@@ -271,6 +279,15 @@ def test_tiny_gpt_tied_weight_gpipe_and_1f1b(gpt):
         grads = [r["tied_grad"] for r in reports]
         assert all(g is not None for g in grads), f"{schedule}: {TIED} held: {[g is not None for g in grads]}"
         torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+def test_pointwise_recompute_keeps_gradients(gpt_pointwise):
+    # every rank compared loss and gradients with the plain model's inside the job
+    rank0, rank1 = gpt_pointwise
+    # 1F1B: rank 0 holds two micro-batches, rank 1 sends input gradients first; ZB-H1 splits
+    # backward itself, so only the stage holding several micro-batches rebuilds
+    assert [r["pointwise"] for r in rank0] == [[0], [0]]
+    assert [r["pointwise"] for r in rank1] == [[1], []]
 
 
 def test_state_dict_per_rank_and_union_loads_into_plain_model(gpt):
