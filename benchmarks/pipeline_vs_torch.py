@@ -222,7 +222,8 @@ def paired(times: dict[str, list[float]], replicas: dict[str, int]) -> None:
     if not torch_modes:
         return
     print("\nper-round tokens/s ratios vs torch (median, min-max over rounds)")
-    print(f"{'mode':<20}" + "".join(f"{'vs ' + t:>26}" for t in torch_modes))
+    w = max(20, *(len(k) + 2 for k in times))
+    print(f"{'mode':<{w}}" + "".join(f"{'vs ' + t:>26}" for t in torch_modes))
     for name, ts in times.items():
         if not name.startswith("replica-"):
             continue
@@ -230,7 +231,7 @@ def paired(times: dict[str, list[float]], replicas: dict[str, int]) -> None:
         for t in torch_modes:
             ratios = [tt / (r / replicas.get(name, 1)) for tt, r in zip(times[t], ts)]
             cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
-        print(f"{name:<20}" + "".join(f"{c:>26}" for c in cells))
+        print(f"{name:<{w}}" + "".join(f"{c:>26}" for c in cells))
 
 
 def main() -> None:
@@ -271,11 +272,12 @@ def main() -> None:
     print(f"\nGPT {CONFIG['n_layer']} layers d={CONFIG['n_embd']} vocab {CONFIG['vocab_size']}, batch {BATCH}x{SEQ}, "
           f"{MICROBATCHES} micro-batches, 2 gloo ranks x 1 thread; median of {args.rounds} rounds x {args.steps} steps"
           "; 'step s' is per batch of 32 sequences (a data-parallel step trains one per replica)")
-    print(f"{'mode':<20}{'step s':>9}{'tokens/s':>11}{'vs single':>11}{'of 1F1B ideal':>15}{'of 2.0x':>9}"
+    w = max(20, *(len(k) + 2 for k in med))
+    print(f"{'mode':<{w}}{'step s':>9}{'tokens/s':>11}{'vs single':>11}{'of 1F1B ideal':>15}{'of 2.0x':>9}"
           f"{'vs torch best':>15}")
     for name, t in med.items():
         speedup = base / t
-        print(f"{name:<20}{t:>9.3f}{tokens / t:>11.0f}{speedup:>10.2f}x{speedup / ideal:>15.1%}{speedup / 2:>9.1%}"
+        print(f"{name:<{w}}{t:>9.3f}{tokens / t:>11.0f}{speedup:>10.2f}x{speedup / ideal:>15.1%}{speedup / 2:>9.1%}"
               f"{best_torch / t:>14.2f}x")
     paired(result["times"], result["replicas"])
     rss = {}
