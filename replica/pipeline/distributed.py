@@ -325,6 +325,8 @@ class DistributedRuntime:
             p.grad = None
         step = self._step(microbatches, train=True)
         self.random.new_step()
+        if self.reducer is not None:
+            self.reducer.new_step()
         losses: dict[int, torch.Tensor] = {}
         deferred: dict[tuple[int, int], WeightGrads] = {}
         for n, action in enumerate(self.actions):

@@ -52,6 +52,10 @@ class ReplicaReducer:
         self.hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
                       for params in self.buckets.values() for bucket in params for p in bucket]
 
+    def new_step(self) -> None:
+        """Forget what a step that failed half-way left behind."""
+        self.armed, self.works = None, []
+
     def arm(self, stage: int, listen: bool = True) -> None:
         """``stage``'s last backward action of the step is about to run. ``listen`` only when
         autograd accumulates every gradient in it: a linear whose weight gradient is deferred
