@@ -153,11 +153,16 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         # "-pointwise": GELU outputs rebuilt in backward (recompute="pointwise");
         # "-after": data-parallel all-reduces started after the backward, not during it
         name = s
+        mbs = None  # "-m<N>": N micro-batches (for "auto", the tuner's choice otherwise)
+        if "-m" in name and name.rsplit("-m", 1)[1].isdigit():
+            name, mbs = name.rsplit("-m", 1)
         for suffix in ("-even", "-eager", "-late", "-pointwise", "-after"):
             name = name.removesuffix(suffix)
         hints = {} if name == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
                                             num_microbatches=MICROBATCHES, schedule=name)
-        if s.endswith("-even"):
+        if mbs is not None:
+            hints["num_microbatches"] = int(mbs)
+        if "-even" in s:
             hints["graded_microbatches"] = False
         if s.endswith("-pointwise"):
             hints["recompute"] = "pointwise"
@@ -166,7 +171,7 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         if s.endswith("-late"):
             pms[s].runtime.early = set()  # the runtime's switch: no backward sends before its W part
         reducer = pms[s].runtime.reducer
-        if s.endswith("-after") and reducer is not None:
+        if "-after" in s and reducer is not None:
             arm = reducer.arm
             reducer.arm = lambda stage, listen=True, arm=arm: arm(stage, listen=False)
     os.environ.pop("REPLICA_P2P", None)
@@ -241,7 +246,8 @@ def main() -> None:
     parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint; "
                         "'<name>-even': without graded micro-batches; '<name>-eager': REPLICA_P2P=eager; "
                         "'<name>-late': input gradients sent after the weight gradients; '<name>-pointwise': GELU outputs "
-                        "rebuilt in backward; '<name>-after': data-parallel all-reduces after the backward)")
+                        "rebuilt in backward; '<name>-after': data-parallel all-reduces after the backward; '<name>-m<N>': N "
+                        "micro-batches, e.g. 'auto-m1')")
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-rss", action="store_true")

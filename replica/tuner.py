@@ -66,8 +66,8 @@ def _microbatch_choices(batch: int, ranks: int, given: int | None, stages: int) 
     the per-call overhead grows), small enough to simulate quickly."""
     if given is not None:
         return [given] if given <= batch else []
-    if ranks == 1:
-        return [1]
+    if ranks == 1:  # no bubble: micro-batches only shrink each op's tensors (to fit the cache)
+        return [m for m in (1, 2, 4, 8) if m <= batch]
     # beyond 4 micro-batches per rank the bubble gain is small and every extra micro-batch
     # pays the runtime's per-action cost, which the op profile does not see
     wanted = {ranks, 2 * ranks, 4 * ranks}
@@ -153,7 +153,7 @@ def tune(
     With ``global_batch=False`` the batch is each replica's own (as under torchrun).
     """
     candidates: list[Candidate] = []
-    plans: dict[tuple[int, int, bool], Plan | None] = {}
+    plans: dict[tuple[int, int, bool, int], Plan | None] = {}
     for ranks in _divisors(world_size):
         if ranks > MAX_PIPELINE_RANKS and num_stages is None:
             continue  # deeper pipelines than this never pay for their bubble and hand-offs
@@ -168,18 +168,18 @@ def tune(
             if (ranks == 1 and stages > 1) or stages > num_ops or (num_stages is not None and stages != num_stages):
                 continue
             for again in recompute:
-                key = (stages, replicas, again)
-                if key not in plans:
-                    try:  # memory is checked per schedule below, so this cut ignores the budget
-                        plans[key] = partition_for(stages, min(per_replica, 4 * ranks), "1f1b", replicas, False,
-                                                   again)
-                    except PartitionError:
-                        plans[key] = None
-                plan = plans[key]
-                if plan is None:
-                    continue
                 for m in _microbatch_choices(per_replica, ranks, num_microbatches, stages):
                     if name == "interleaved" and m % ranks:
+                        continue
+                    # priced at this micro-batch size: an op whose tensors fit the cache at m runs faster
+                    key = (stages, replicas, again, m)
+                    if key not in plans:
+                        try:  # memory is checked per schedule below, so this cut ignores the budget
+                            plans[key] = partition_for(stages, m, "1f1b", replicas, False, again)
+                        except PartitionError:
+                            plans[key] = None
+                    plan = plans[key]
+                    if plan is None:
                         continue
                     found = _evaluate(plan, name, ranks, replicas, m, device, memory_budget)
                     if found is not None:

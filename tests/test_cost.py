@@ -135,6 +135,7 @@ def test_cpu_is_measured_once_for_real(tmp_path, monkeypatch):
     s = device_spec("cpu")
     assert s.name == f"cpu-{torch.get_num_threads()}t"
     assert s.flops > 1e7 and s.half_flops > 0 and s.memory_bandwidth > 1e7 and 0 < s.op_overhead_s < 1e-2
+    assert s.cache_bytes == 0 or s.cache_bandwidth >= s.memory_bandwidth  # a cache is never slower
     assert DeviceSpec(**json.loads(cache_file(tmp_path).read_text())) == s
     monkeypatch.setattr(cost, "_CPU_SPECS", {})
     monkeypatch.setattr(cost, "_measure_cpu", lambda: pytest.fail("measured again despite the cache file"))
@@ -249,3 +250,92 @@ def test_plan_records_the_device_name():
 def test_booleans_and_infinities_are_not_rates(bad):
     with pytest.raises(replica.ConfigError, match="DeviceSpec.flops must be a finite number"):
         spec(flops=bad)
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+def cached(**changes) -> DeviceSpec:
+    """Memory at 1e11 B/s, a 1 MB cache at 4e11 B/s."""
+    return spec(cache_bytes=1e6, cache_bandwidth=4e11, **changes)
+
+
+def test_a_call_that_fits_the_cache_moves_at_its_rate():
+    s = cached()
+    assert s.bandwidth(1e6) == 4e11 and s.bandwidth(1e6 + 1) == 1e11
+    assert spec().bandwidth(1.0) == 1e11  # no cache modelled: always the memory's rate
+
+
+def test_micro_batches_that_fit_the_cache_are_priced_at_its_rate():
+    big = op(nbytes=2e6)
+    m = CostModel(cached())
+    assert m.forward_time(big, 1) == pytest.approx(2e6 / 1e11 + 1e-6)  # 2 MB a call: from memory
+    assert m.forward_time(big, 2) == pytest.approx(2e6 / 4e11 + 2e-6)  # 1 MB a call: from the cache
+    assert m.backward_time(big, 2) == pytest.approx(2 * (2e6 / 4e11 + 2e-6))
+    # without a cache the split only adds launches
+    assert CostModel(spec()).forward_time(big, 2) == pytest.approx(2e6 / 1e11 + 2e-6)
+
+
+def test_a_replica_share_is_priced_at_its_own_size():
+    m = CostModel(cached(), batch_fraction=0.5)
+    assert m.forward_time(op(nbytes=2e6), 1) == pytest.approx(1e6 / 4e11 + 1e-6)
+
+
+def test_a_measured_op_scaled_out_of_the_cache_pays_the_memory_rate():
+    from replica.partition.profile import OpTimes
+
+    node = op(nbytes=2e6)  # 0.5 MB on the timed quarter batch: timed in the cache
+    times = {"n": OpTimes(forward_s=1e-3, backward_s=2e-3, forward_fixed_s=1e-4, backward_fixed_s=2e-4)}
+    m = CostModel(cached(), measured=times, measured_fraction=0.25)
+    plain = CostModel(spec(), measured=times, measured_fraction=0.25)
+    shift = 2e6 / 1e11 - 2e6 / 4e11  # the whole batch in one call: its bytes from memory
+    assert m.forward_time(node, 1) == pytest.approx(plain.forward_time(node, 1) + shift)
+    assert m.backward_time(node, 1) == pytest.approx(plain.backward_time(node, 1) + 2 * shift)
+    assert m.forward_time(node, 4) == pytest.approx(plain.forward_time(node, 4))  # the timed size again
+
+
+def test_call_overhead_is_what_one_more_call_costs():
+    from replica.partition.profile import OpTimes
+
+    node = op(flops=1e9, nbytes=1e3)
+    for m in (CostModel(spec()), CostModel(spec(), measured={"n": OpTimes(1e-3, 2e-3, 1e-4, 3e-4)})):
+        assert m.call_overhead(node) == pytest.approx(m.forward_time(node, 2) - m.forward_time(node, 1))
+        assert m.call_overhead(node, backward=True) == pytest.approx(m.backward_time(node, 2) - m.backward_time(node, 1))
+    assert CostModel(spec()).call_overhead(op(kind="input")) == 0.0
+
+
+def fake_caches(root, levels):
+    for i, (level, kind, size, shared) in enumerate(levels):
+        d = root / f"index{i}"
+        d.mkdir(parents=True)
+        for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+            (d / name).write_text(f"{value}\n")
+    return root
+
+
+def test_last_level_cache_share(tmp_path):
+    root = fake_caches(tmp_path, [(1, "Data", "32K", "0"), (1, "Instruction", "32K", "0"),
+                                  (2, "Unified", "1024K", "0"), (3, "Unified", "32M", "0-3")])
+    assert cost._last_level_cache(1, root) == (32 * 2**20, 8 * 2**20)  # a quarter when all 4 CPUs work
+    assert cost._last_level_cache(2, root) == (32 * 2**20, 16 * 2**20)
+    assert cost._last_level_cache(16, root) == (32 * 2**20, 32 * 2**20)
+
+
+@pytest.mark.parametrize("levels", [[], [(3, "Unified", "lots", "0")], [(2, "Unified", "1M", "zero")]])
+def test_an_unreadable_cache_is_not_modelled(tmp_path, levels):
+    assert cost._last_level_cache(1, fake_caches(tmp_path / "cache", levels)) == (0.0, 0.0)
+    assert cost._last_level_cache(1, tmp_path / "missing") == (0.0, 0.0)
+
+
+def test_cpu_lists_are_counted():
+    assert cost._count_cpus("0-3,8-11\n") == 8 and cost._count_cpus("5") == 1
+
+
+def test_a_cache_file_from_before_the_cache_fields_is_measured_again(cache):
+    tmp_path, calls = cache
+    old = dataclasses.asdict(spec(name="old"))
+    del old["cache_bytes"], old["cache_bandwidth"]
+    cache_file(tmp_path).write_text(json.dumps(old))
+    s = device_spec("cpu")
+    assert calls == [1] and s.name != "old"
+    assert json.loads(cache_file(tmp_path).read_text()).keys() >= {"cache_bytes", "cache_bandwidth"}

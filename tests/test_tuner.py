@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import time
 
@@ -84,3 +85,31 @@ def test_a_small_world_for_a_small_model_on_meta():
     tokens = torch.empty(32, 64, dtype=torch.long, device="meta")
     p = replica.plan(model, (tokens,), world_size=8, device="h100-80gb", schedule="auto")
     assert p.device == "h100-80gb" and p.num_stages >= 1
+
+
+def test_one_stage_may_split_its_batch():
+    from replica.tuner import _microbatch_choices
+
+    assert _microbatch_choices(32, 1, None, 1) == [1, 2, 4, 8]
+    assert _microbatch_choices(3, 1, None, 1) == [1, 2]
+    assert _microbatch_choices(32, 1, 4, 1) == [4]
+
+
+def test_data_parallel_micro_batches_follow_the_cache():
+    """Pure data parallelism splits its batch only where that brings every op's tensors
+    into the cache: memory-bound prices, each replica half the batch, and a cache half the
+    size of the biggest op on that half."""
+    from replica.partition.trace import trace
+
+    model, inputs, _, _ = models.tiny_gpt(16)
+    biggest = max(n.bytes_accessed for n in trace(model, inputs).graph.op_nodes)
+    memory_bound = replica.DeviceSpec(name="memory-bound", flops=1e15, half_flops=1e15, memory_bandwidth=1e8,
+                                      memory_bytes=1e12, link_bandwidth=1e12, link_latency_s=0.0,
+                                      op_overhead_s=1e-9)
+    with_cache = dataclasses.replace(memory_bound, cache_bytes=biggest / 4, cache_bandwidth=1e10)
+    plans = {spec.name: replica.plan(model, inputs, world_size=2, num_stages=1, device=spec,
+                                     schedule="auto", cost="analytic")
+             for spec in (memory_bound, dataclasses.replace(with_cache, name="cached"))}
+    assert plans["memory-bound"].num_microbatches == 1  # more calls, nothing gained
+    assert plans["cached"].num_microbatches == 2  # the fewest calls that fit
+    assert plans["cached"].predicted_step_time_s < plans["memory-bound"].predicted_step_time_s

@@ -29,7 +29,10 @@ class DeviceSpec:
     path to the neighbouring pipeline device inside a node of ``devices_per_node``;
     ``network_bandwidth`` the per-device bandwidth between nodes (0: same as the link).
     ``datasheet_flops`` is the vendor's dense half-precision peak, the denominator of
-    model-FLOPs utilisation (0: ``half_flops``).
+    model-FLOPs utilisation (0: ``half_flops``). ``cache_bytes`` is the last-level cache one
+    device's work can count on (a CPU process: its share of the cache when every core sharing
+    it is busy) and ``cache_bandwidth`` the rate of an op whose tensors fit in it (0: no cache
+    modelled; every byte moves at ``memory_bandwidth``).
     """
 
     name: str
@@ -43,6 +46,8 @@ class DeviceSpec:
     devices_per_node: int = 1
     network_bandwidth: float = 0.0
     datasheet_flops: float = 0.0
+    cache_bytes: float = 0.0
+    cache_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -57,6 +62,13 @@ class DeviceSpec:
 
     def peak(self, dtype: str) -> float:
         return self.half_flops if dtype in ("float16", "bfloat16") else self.flops
+
+    def bandwidth(self, nbytes: float) -> float:
+        """Bytes per second of an op that reads and writes ``nbytes`` in one call: the cache's
+        rate when they fit in it (and a cache is modelled), else the memory's."""
+        if self.cache_bandwidth > 0 and nbytes <= self.cache_bytes:
+            return self.cache_bandwidth
+        return self.memory_bandwidth
 
     @property
     def between_nodes_bandwidth(self) -> float:
@@ -93,17 +105,57 @@ def _best_time(fn: "object", repeats: int) -> float:
 
 
 def _measure_cpu() -> DeviceSpec:
-    """Time a matmul, a large copy and a tiny op with this process's thread count."""
+    """Time a matmul, a large copy, a copy that fits this process's share of the last-level
+    cache, and a tiny op, with this process's thread count."""
     threads = torch.get_num_threads()
     a, b = torch.randn(384, 384), torch.randn(384, 384)
     flops = 2 * 384**3 / _best_time(lambda: torch.mm(a, b), 20)
-    src, dst = torch.empty(8 * 2**20), torch.empty(8 * 2**20)  # 32 MiB each
+    size, cache = _last_level_cache(threads)
+    big = max(32 * 2**20, 2 * size)  # each buffer twice the cache: the copy streams from memory
+    src, dst = torch.empty(int(big) // 4), torch.empty(int(big) // 4)
     bandwidth = 2 * src.nbytes / _best_time(lambda: dst.copy_(src), 10)
+    del src, dst
+    cache_bandwidth = 0.0
+    if cache >= 2**20:  # source and destination together half the share, as an op's inputs and outputs
+        src, dst = torch.empty(int(cache) // 16), torch.empty(int(cache) // 16)
+        cache_bandwidth = max(bandwidth, 2 * src.nbytes / _best_time(lambda: dst.copy_(src), 20))
     tiny = torch.ones(4)
     overhead = _best_time(lambda: [tiny.add(1) for _ in range(200)], 5) / 200
     return DeviceSpec(name=f"cpu-{threads}t", flops=flops, half_flops=flops / 4, memory_bandwidth=bandwidth,
                       memory_bytes=_total_memory(), link_bandwidth=2 * GB, link_latency_s=60e-6,
-                      op_overhead_s=overhead)
+                      op_overhead_s=overhead, cache_bytes=cache if cache_bandwidth else 0.0,
+                      cache_bandwidth=cache_bandwidth)
+
+
+def _last_level_cache(threads: int, root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> tuple[float, float]:
+    """The last-level cache's bytes, and its share for ``threads`` threads when every CPU
+    sharing it is busy (pipeline ranks on one machine are): its size times ``threads`` over
+    the CPUs that share it. ``(0, 0)`` where the system does not say (non-Linux)."""
+    try:
+        levels = []
+        for index in root.glob("index*"):
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            size = (index / "size").read_text().strip()
+            nbytes = int(size[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[size[-1]] if size[-1] in "KMG" \
+                else int(size)
+            sharing = _count_cpus((index / "shared_cpu_list").read_text())
+            levels.append((int((index / "level").read_text()), nbytes, sharing))
+    except (OSError, ValueError, KeyError):
+        return 0.0, 0.0
+    if not levels:
+        return 0.0, 0.0
+    _, nbytes, sharing = max(levels)
+    return float(nbytes), float(nbytes * min(threads, sharing) // max(1, sharing))
+
+
+def _count_cpus(cpu_list: str) -> int:
+    """How many CPUs a list such as ``0-3,8-11`` names."""
+    count = 0
+    for part in cpu_list.strip().split(","):
+        lo, _, hi = part.partition("-")
+        count += int(hi or lo) - int(lo) + 1
+    return count
 
 
 def _total_memory() -> float:
@@ -122,7 +174,10 @@ def _cpu_spec() -> DeviceSpec:
     path = _cache_dir() / f"cpu-{threads}t.json"
     spec = None
     try:
-        spec = DeviceSpec(**json.loads(path.read_text()))
+        saved = json.loads(path.read_text())
+        if set(saved) != {f.name for f in fields(DeviceSpec)}:  # written by another version: measure again
+            raise ValueError("stale device spec")
+        spec = DeviceSpec(**saved)
     except (OSError, ValueError, TypeError, ConfigError):
         spec = _measure_cpu()
         try:
@@ -159,7 +214,8 @@ def device_spec(device: "str | DeviceSpec | torch.device | None") -> DeviceSpec:
 class CostModel:
     """Prices for ops and transfers.
 
-    Analytic: time = FLOPs / FLOP/s + bytes / bandwidth + launch overhead per call, and
+    Analytic: time = FLOPs / FLOP/s + bytes / bandwidth + launch overhead per call (the
+    bandwidth of the cache when one call's bytes fit in it, see ``DeviceSpec``), and
     backward = ``backward_factor`` × forward (2: one matmul for the input, one for the
     weight). Ops found in ``measured`` (per micro-batch call, from :func:`profile`) use
     their measured times instead (timed on ``measured_fraction`` of the traced batch).
@@ -180,8 +236,19 @@ class CostModel:
 
     def _analytic(self, node: Node, num_calls: int) -> float:
         d = self.device
-        work = node.flops / d.peak(self.dtype) + node.bytes_accessed / d.memory_bandwidth
-        return work * self.batch_fraction + num_calls * d.op_overhead_s
+        nbytes = node.bytes_accessed * self.batch_fraction
+        bandwidth = d.bandwidth(nbytes / max(1, num_calls))
+        return node.flops / d.peak(self.dtype) * self.batch_fraction + nbytes / bandwidth + num_calls * d.op_overhead_s
+
+    def call_overhead(self, node: Node, backward: bool = False) -> float:
+        """The part of one call's time that does not shrink with the micro-batch."""
+        if node.kind != "op":
+            return 0.0
+        if node.name in self.measured:
+            t = self.measured[node.name]
+            seconds, fixed = (t.backward_s, t.backward_fixed_s) if backward else (t.forward_s, t.forward_fixed_s)
+            return min(seconds, self.device.op_overhead_s if fixed is None else fixed)
+        return (self.backward_factor if backward else 1.0) * self.device.op_overhead_s
 
     def forward_time(self, node: Node, num_calls: int = 1) -> float:
         """Seconds to run ``node`` over the traced batch (times ``batch_fraction``), split
@@ -190,7 +257,7 @@ class CostModel:
             return 0.0
         if node.name in self.measured:
             t = self.measured[node.name]
-            return self._from_measured(t.forward_s, t.forward_fixed_s, num_calls)
+            return self._from_measured(t.forward_s, t.forward_fixed_s, num_calls) + self._cache_shift(node, num_calls)
         return self._analytic(node, num_calls)
 
     def _from_measured(self, seconds: float, fixed: float | None, num_calls: int) -> float:
@@ -204,8 +271,20 @@ class CostModel:
             return 0.0
         if node.name in self.measured:
             t = self.measured[node.name]
-            return self._from_measured(t.backward_s, t.backward_fixed_s, num_calls)
+            return self._from_measured(t.backward_s, t.backward_fixed_s, num_calls) \
+                + self.backward_factor * self._cache_shift(node, num_calls)
         return self.backward_factor * self._analytic(node, num_calls)
+
+    def _cache_shift(self, node: Node, num_calls: int) -> float:
+        """A measured op scaled to another size: what its bytes gain or lose when one call's
+        tensors fit the cache at one size and not at the other (timed on a micro-batch that
+        fits, a whole batch that does not moves its bytes at the memory's rate)."""
+        d = self.device
+        if d.cache_bandwidth <= 0:
+            return 0.0
+        per_call = node.bytes_accessed * self.batch_fraction / max(1, num_calls)
+        timed = node.bytes_accessed * self.measured_fraction
+        return num_calls * per_call * (1 / d.bandwidth(per_call) - 1 / d.bandwidth(timed))
 
     def transfer_time(self, nbytes: float, num_messages: int = 1) -> float:
         """Seconds to move ``nbytes`` to the next device in ``num_messages`` messages."""

@@ -368,8 +368,8 @@ def _describe(
         saved = int(cm.scaled(sum(n.output_bytes for n in members if _saves_activation(n))))
         received = sum(b.nbytes for b in incoming[k])
         # the per-call part: what a call costs whatever the micro-batch size
-        fixed_fwd = sum(cm.forward_time(n, 2) - cm.forward_time(n, 1) for n in members)
-        fixed_bwd = sum(cm.backward_time(n, 2) - cm.backward_time(n, 1) for n in members)
+        fixed_fwd = sum(cm.call_overhead(n) for n in members)
+        fixed_bwd = sum(cm.call_overhead(n, backward=True) for n in members)
         fwd = sum(cm.forward_time(n, m) for n in members)
         bwd = sum(cm.backward_time(n, m) for n in members) + (fwd if memory_model.recompute else 0.0)
         comm = sum(
