@@ -201,7 +201,8 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
 
 
 def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0, v: bool = False) -> float:
-    """Peak RSS of one framework's 1F1B (or, with ``v``, torch's ZBV and Replica's ZB-V)."""
+    """Peak RSS of one framework's 1F1B (or, with ``v``, torch's ZBV and Replica's ZB-V);
+    ``replica-auto``: Replica with no hint."""
     if vocab:
         CONFIG["vocab_size"] = vocab
     model, x, y = build()
@@ -209,6 +210,11 @@ def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0, v
         module, sched = torch_pipeline(rank, model, "zbv" if v else "1f1b")
         for _ in range(steps):
             torch_step(rank, module, sched, x, y, v)
+    elif framework == "replica-auto":  # no hint at all: the tuner's choice
+        pm = replica.auto_parallel(model, (x,), loss_fn=loss_fn)
+        for _ in range(steps):
+            pm.zero_grad()
+            pm.train_step(x, y)
     else:
         pm = replica.auto_parallel(model, (x,), num_stages=4 if v else 2, num_microbatches=MICROBATCHES,
                                    schedule="zb-v" if v else "1f1b", loss_fn=loss_fn,
@@ -222,20 +228,25 @@ def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0, v
 
 def paired(times: dict[str, list[float]], replicas: dict[str, int]) -> None:
     """Per-round ratios: each round times every mode back to back, so a ratio within a round
-    is free of the slower drifts between rounds; median and range over the rounds."""
+    is free of the slower drifts between rounds; median and range over the rounds. The last
+    column is the speed-up over ``single`` in the same round, as a share of two cores' 2.0x."""
     torch_modes = [k for k in times if k.startswith("torch-")]
     if not torch_modes:
         return
-    print("\nper-round tokens/s ratios vs torch (median, min-max over rounds)")
+    print("\nper-round tokens/s ratios vs torch, and of 2.0x (median, min-max over rounds)")
     w = max(20, *(len(k) + 2 for k in times))
-    print(f"{'mode':<{w}}" + "".join(f"{'vs ' + t:>26}" for t in torch_modes))
+    print(f"{'mode':<{w}}" + "".join(f"{'vs ' + t:>26}" for t in torch_modes) + f"{'of 2.0x':>26}")
     for name, ts in times.items():
-        if not name.startswith("replica-"):
+        if name == "single":
             continue
+        per_batch = [r / replicas.get(name, 1) for r in ts]
         cells = []
-        for t in torch_modes:
-            ratios = [tt / (r / replicas.get(name, 1)) for tt, r in zip(times[t], ts)]
+        for t in (torch_modes if name.startswith("replica-") else []):
+            ratios = [tt / r for tt, r in zip(times[t], per_batch)]
             cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
+        cells += [""] * (len(torch_modes) - len(cells))
+        of_two = [s / r / 2 for s, r in zip(times["single"], per_batch)]
+        cells.append(f"{statistics.median(of_two):.1%} ({min(of_two):.0%}-{max(of_two):.0%})")
         print(f"{name:<{w}}" + "".join(f"{c:>26}" for c in cells))
 
 
@@ -252,7 +263,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--rss-only", action="store_true", help="measure peak RSS only (torch, replica, "
-                        "even, pointwise)")
+                        "even, pointwise; and auto beside torch's ZBV)")
     parser.add_argument("--json", help="also write the raw figures here")
     args = parser.parse_args()
     CONFIG["vocab_size"] = args.vocab
@@ -261,7 +272,7 @@ def main() -> None:
     if args.rss_only:
         for v, what in ((False, "1F1B"), (True, "ZBV / ZB-V")):
             rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, v, timeout_s=600)
-                   for fw in ("torch", "replica", "replica-even", "replica-pointwise")}
+                   for fw in ("torch", "replica", "replica-even", "replica-pointwise") + (("replica-auto",) if v else ())}
             print(f"peak RSS per rank (MiB), {what}: " + ", ".join(f"{fw} {[round(x) for x in r]}"
                                                                    for fw, r in rss.items()))
         return
