@@ -96,20 +96,29 @@ def test_one_stage_may_split_its_batch():
 
 
 def test_data_parallel_micro_batches_follow_the_cache():
-    """Pure data parallelism splits its batch only where that brings every op's tensors
-    into the cache: memory-bound prices, each replica half the batch, and a cache half the
-    size of the biggest op on that half."""
+    """Pure data parallelism splits its batch where that brings every op's tensors into the
+    cache: memory-bound prices, each replica half the batch, a cache a quarter of the
+    biggest op's bytes (so it fits from 2 micro-batches on), and launches that make each
+    extra call about 3% of the step, more than a tie."""
     from replica.partition.trace import trace
 
     model, inputs, _, _ = models.tiny_gpt(16)
-    biggest = max(n.bytes_accessed for n in trace(model, inputs).graph.op_nodes)
+    graph = trace(model, inputs).graph
+    biggest = max(n.bytes_accessed for n in graph.op_nodes)
     memory_bound = replica.DeviceSpec(name="memory-bound", flops=1e15, half_flops=1e15, memory_bandwidth=1e8,
                                       memory_bytes=1e12, link_bandwidth=1e12, link_latency_s=0.0,
                                       op_overhead_s=1e-9)
-    with_cache = dataclasses.replace(memory_bound, cache_bytes=biggest / 4, cache_bandwidth=1e10)
-    plans = {spec.name: replica.plan(model, inputs, world_size=2, num_stages=1, device=spec,
-                                     schedule="auto", cost="analytic")
-             for spec in (memory_bound, dataclasses.replace(with_cache, name="cached"))}
-    assert plans["memory-bound"].num_microbatches == 1  # more calls, nothing gained
-    assert plans["cached"].num_microbatches == 2  # the fewest calls that fit
-    assert plans["cached"].predicted_step_time_s < plans["memory-bound"].predicted_step_time_s
+
+    def plan(spec: replica.DeviceSpec, **hints) -> replica.Plan:
+        return replica.plan(model, inputs, world_size=2, num_stages=1, device=spec, cost="analytic",
+                            **({"schedule": "auto"} | hints))
+
+    step = plan(memory_bound, schedule="1f1b", num_microbatches=1).predicted_step_time_s
+    launches = dataclasses.replace(memory_bound, op_overhead_s=step / (3 * len(graph.op_nodes) * 30))
+    cached = dataclasses.replace(launches, name="cached", cache_bytes=biggest / 4, cache_bandwidth=1e10)
+    assert plan(launches).num_microbatches == 1  # more calls, nothing gained
+    assert plan(cached).num_microbatches == 2  # the fewest calls that fit
+    assert plan(cached).predicted_step_time_s < plan(cached, schedule="1f1b", num_microbatches=1).predicted_step_time_s
+    # with launches next to free, 2, 4 and 8 micro-batches tie: the one holding least wins
+    free = dataclasses.replace(cached, op_overhead_s=1e-12)
+    assert plan(free).num_microbatches == 8
