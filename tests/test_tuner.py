@@ -63,7 +63,7 @@ def test_gpt3_175b_plans_on_1024_a100s_in_a_minute():
     start = time.perf_counter()
     plan = plan_175b(1024)
     elapsed = time.perf_counter() - start
-    assert elapsed < 90  # 35 s on a quiet 2-core machine (benchmarks/RESULTS.md); room for a loaded one
+    assert elapsed < 90  # 50 s on a quiet 2-core machine (benchmarks/RESULTS.md); room for a loaded one
     assert max(s.predicted_memory_bytes for s in plan.stages) <= 80 * 2**30
     assert plan.num_stages // plan.stages_per_rank * plan.data_parallel_size == 1024
     assert plan.model_flops > 0 and "TFLOP/s per device" in plan.summary()
