@@ -257,8 +257,8 @@ def main() -> None:
     parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint; "
                         "'<name>-even': without graded micro-batches; '<name>-eager': REPLICA_P2P=eager; "
                         "'<name>-late': input gradients sent after the weight gradients; '<name>-pointwise': GELU outputs "
-                        "rebuilt in backward; '<name>-after': data-parallel all-reduces after the backward; '<name>-m<N>': N "
-                        "micro-batches, e.g. 'auto-m1')")
+                        "rebuilt in backward; '<name>-after': data-parallel all-reduces after the backward; "
+                        "'<name>-m<N>': N micro-batches, e.g. 'auto-m1')")
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-rss", action="store_true")
@@ -271,8 +271,8 @@ def main() -> None:
     torch_schedules = args.torch_schedules.split(",")
     if args.rss_only:
         for v, what in ((False, "1F1B"), (True, "ZBV / ZB-V")):
-            rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, v, timeout_s=600)
-                   for fw in ("torch", "replica", "replica-even", "replica-pointwise") + (("replica-auto",) if v else ())}
+            frameworks = ("torch", "replica", "replica-even", "replica-pointwise") + (("replica-auto",) if v else ())
+            rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, v, timeout_s=600) for fw in frameworks}
             print(f"peak RSS per rank (MiB), {what}: " + ", ".join(f"{fw} {[round(x) for x in r]}"
                                                                    for fw, r in rss.items()))
         return

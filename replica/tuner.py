@@ -87,10 +87,12 @@ def _allreduce_s(stage_bytes: float, replicas: int, ranks: int, device: DeviceSp
     return 2 * (replicas - 1) / replicas * stage_bytes / bandwidth + 2 * (replicas - 1) * device.link_latency_s
 
 
-def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, m: int, device: DeviceSpec,
+def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, device: DeviceSpec,
               budget: float) -> Candidate | None:
-    """Price ``plan``'s stages (one replica's batch) for ``m`` micro-batches under
-    ``schedule_name``, by simulation; memory per rank from the schedule's own in-flight counts."""
+    """Price ``plan``'s stages (one replica's batch, priced for the plan's own micro-batch
+    count) under ``schedule_name``, by simulation; memory per rank from the schedule's own
+    in-flight counts."""
+    m = plan.num_microbatches
     try:
         forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
         schedule = make_schedule(schedule_name, plan.num_stages, m, ranks, check=False,
@@ -105,10 +107,7 @@ def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, m: int,
     grads = [0.0] * ranks
     for s in plan.stages:
         k = s.stage_index
-        # each op pays a launch cost per call; the rest of the work splits over the micro-batches
-        n = plan.num_microbatches
-        forward = max(0.0, s.forward_time_s - n * s.fixed_forward_s) / m + s.fixed_forward_s
-        backward = max(0.0, s.backward_time_s - n * s.fixed_backward_s) / m + s.fixed_backward_s
+        forward, backward = s.forward_time_s / m, s.backward_time_s / m  # one micro-batch's
         remote = k + 1 < plan.num_stages and where[k + 1] != where[k]
         sends = sum(b.nbytes for b in s.outputs) / m
         static = s.memory.parameters + s.memory.gradients + s.memory.optimizer
@@ -184,7 +183,7 @@ def tune(
                     plan = plans[key]
                     if plan is None:
                         continue
-                    found = _evaluate(plan, name, ranks, replicas, m, device, memory_budget)
+                    found = _evaluate(plan, name, ranks, replicas, device, memory_budget)
                     if found is not None:
                         candidates.append(found)
     # with each replica feeding its own batch, more replicas train more per step: rank by
@@ -210,8 +209,7 @@ def tune(
     fitting.insert(0, best)
     final = partition_for(best.num_stages, best.num_microbatches, best.schedule, best.data_parallel_size, True,
                           best.recompute)
-    again = _evaluate(final, best.schedule, best.num_pipeline_ranks, best.data_parallel_size,
-                      best.num_microbatches, device, memory_budget)
+    again = _evaluate(final, best.schedule, best.num_pipeline_ranks, best.data_parallel_size, device, memory_budget)
     step = again.step_time_s if again is not None else best.step_time_s
     alternatives = tuple((c.describe(), c.step_time_s) for c in fitting[1:6])
     plan = dataclasses.replace(final, data_parallel_size=best.data_parallel_size, predicted_step_time_s=step,
