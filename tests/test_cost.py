@@ -40,7 +40,7 @@ def test_spec_is_frozen():
 
 
 @pytest.mark.parametrize("field", ["flops", "half_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth",
-                                   "link_latency_s", "op_overhead_s"])
+                                   "link_latency_s", "op_overhead_s", "cache_bytes", "cache_bandwidth"])
 def test_negative_rate_names_the_field(field):
     with pytest.raises(replica.ConfigError, match=rf"DeviceSpec\.{field} must be a finite number >= 0, got -1"):
         spec(**{field: -1})
