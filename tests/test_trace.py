@@ -302,6 +302,48 @@ def test_real_params_with_meta_inputs_use_fake_tensors():
     assert all(torch.equal(a, b) for a, b in zip(before_weights, model.parameters()))
 
 
+def test_real_model_and_inputs_allocate_no_activations():
+    """Shapes come from fake tensors even when everything is real: a full-batch forward would
+    leave its activations' holes in the allocator for the rest of the run."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    x = torch.randn(2**18, 64)  # 64 MiB of input, 256 MiB per activation if run for real
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    g = trace(model, (x,)).graph
+    grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grew_mib < 150, f"tracing real inputs grew the peak RSS by {grew_mib:.0f} MiB"
+    assert g["_0"].outputs[0].shape == (2**18, 256)
+    assert g["_0"].flops == 2 * 2**18 * 256 * 64
+
+
+class ReadsAValue(nn.Module):
+    """Reads a number out of a tensor: fake tensors cannot, so the graph runs for real."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        return self.bn(self.lin(x)) * x.abs().max().item()
+
+
+def test_a_graph_fake_tensors_cannot_run_runs_for_real():
+    g = trace(ReadsAValue(), (torch.randn(5, 4),)).graph
+    assert g.output_node.outputs[0].shape == (5, 3)
+    assert g["lin"].flops == 2 * 5 * 3 * 4
+
+
+@pytest.mark.parametrize("model", [nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), ReadsAValue()],
+                         ids=["fake", "real"])
+def test_tracing_leaves_batch_norm_statistics_alone(model):
+    bn = model[1] if isinstance(model, nn.Sequential) else model.bn
+    model.train()
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    trace(model, (torch.randn(16, 4) * 5 + 3,))
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_real_params_with_fake_inputs():
     with FakeTensorMode():
         x = torch.empty(7, 8)

@@ -249,34 +249,63 @@ def _resolve(gm: fx.GraphModule, target: str) -> Any:
 
 def _fake_inputs(inputs: tuple[Any, ...], device: torch.device, mode: FakeTensorMode) -> tuple[Any, ...]:
     with mode:
-        return tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device=device), inputs)
+        return tree_map(lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+                        if isinstance(x, torch.Tensor) else x, inputs)
 
 
 def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[int, str]) -> _Recorder:
-    """Propagate shapes. Real inputs and weights run for real (one forward, no grad);
-    anything on ``meta`` or fake runs on meta/fake tensors, so no weight is ever allocated."""
-    recorder = _Recorder(gm, names)
+    """Propagate shapes on fake tensors: nothing is computed or allocated, whatever the
+    inputs and weights are (meta, fake or real). A graph that fake tensors cannot run (an
+    op without a fake kernel, a value read out of a tensor) runs once for real, without grad.
+
+    Real is the fallback, not the rule: a full-batch forward allocates every activation
+    once, and the allocator keeps the holes they leave among the set-up's long-lived
+    objects (tens of MiB of resident memory per rank that training never reuses). Either
+    way, buffers written while recording (a BatchNorm's statistics) get their values back."""
     tensors = list(gm.parameters()) + list(gm.buffers())
     device = tensors[0].device if tensors else (inputs[0].device if inputs else torch.device("cpu"))
-    fake_inputs = any(x.device.type == "meta" or type(x).__name__ == "FakeTensor" for x in tree_leaves(inputs))
+    real = device.type != "meta" and not any(
+        x.device.type == "meta" or type(x).__name__ == "FakeTensor" for x in tree_leaves(inputs))
+    # buffers as they were: a training-mode BatchNorm counts batches even on fake tensors
+    # (and, run for real, updates its statistics); recording a shape must not
+    buffers = [(b, b._version, b.clone()) for b in gm.buffers()
+               if b.device.type != "meta" and type(b).__name__ != "FakeTensor"]
+    try:
+        return _run_recorder(gm, inputs, names, device, real)
+    finally:
+        with torch.no_grad():
+            for b, version, before in buffers:
+                if b._version != version or not torch.equal(b, before):  # a kernel's write need not count
+                    b.copy_(before)
+
+
+def _run_recorder(gm: fx.GraphModule, inputs: tuple[Any, ...], names: dict[int, str], device: torch.device,
+                  real: bool) -> _Recorder:
     try:
         if device.type == "meta":
+            recorder = _Recorder(gm, names)
             recorder.run(*tree_map(lambda x: x.to("meta"), inputs))
-        elif fake_inputs:
+            return recorder
+        try:
+            recorder = _Recorder(gm, names)
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             args = _fake_inputs(inputs, device, mode)
-            with mode:
+            with mode, torch.no_grad():
                 recorder.run(*args)
-        else:
-            with torch.no_grad():
-                recorder.run(*inputs)
+            return recorder
+        except Exception:
+            if not real:
+                raise
+        recorder = _Recorder(gm, names)
+        with torch.no_grad():
+            recorder.run(*inputs)
+        return recorder
     except Exception as exc:
         raise TraceError(
             f"Running the traced graph of {gm.__class__.__name__} on the example inputs failed: "
             f"{type(exc).__name__}: {exc}\n  at {_user_frame(exc)}\n"
             "Fix: check that example_inputs have the shapes and dtypes model.forward expects."
         ) from exc
-    return recorder
 
 
 def trace(
