@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replica.errors import ScheduleError
+from replica.pipeline.mailbox import Mailbox
 from replica.pipeline.p2p import BWD, FWD, check_fifo, linearize, ordered, step_messages
 from replica.pipeline.schedule import INTERLEAVED, SCHEDULES, V_SHAPED, make_schedule, placement
 
@@ -159,3 +161,47 @@ def test_pair_digest_tells_orders_apart():
     assert _digest(messages) == _digest(list(messages))
     assert _digest(messages) != _digest(messages[1:] + messages[:1])
     assert 0 <= _digest(messages) < 2**63
+
+
+class _Work:
+    """A stand-in for a send's work: done or not, and failed or not."""
+
+    def __init__(self, done: bool, error: str = "") -> None:
+        self.done, self.error = done, error
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout=None) -> bool:
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def _mailbox(waited: list) -> Mailbox:
+    def wait(work, what, peer):
+        waited.append(what)
+        work.wait()
+
+    return Mailbox([], [], me=0, global_rank=lambda r: r, device=torch.device("cpu"), ordered=True, wait=wait)
+
+
+def test_a_finished_send_lets_go_of_its_payload():
+    """A payload is dropped once its send is done (a gradient sent upstream is read by nobody
+    here), not kept to the step's end; an unfinished one stays until finish()."""
+    waited: list[str] = []
+    mail = _mailbox(waited)
+    mail.sends[("a", 0, 0, BWD)] = (_Work(True), torch.zeros(4), "sending 'a' of micro-batch 0", 1)
+    mail.sends[("a", 0, 1, BWD)] = (_Work(False), torch.zeros(4), "sending 'a' of micro-batch 1", 1)
+    mail._release()
+    assert list(mail.sends) == [("a", 0, 1, BWD)]
+    assert waited == ["sending 'a' of micro-batch 0"]
+    mail.finish()
+    assert not mail.sends
+
+
+def test_a_failed_send_is_reported_when_released():
+    mail = _mailbox([])
+    mail.sends[("a", 0, 0, BWD)] = (_Work(True, "connection closed"), torch.zeros(4), "sending 'a'", 1)
+    with pytest.raises(RuntimeError, match="connection closed"):
+        mail._release()

@@ -327,7 +327,8 @@ class DistributedRuntime:
         self.random.new_step()
         if self.reducer is not None:
             self.reducer.new_step()
-        losses: dict[int, torch.Tensor] = {}
+        losses: dict[int, torch.Tensor] = {}  # detached: the graph goes with its backward
+        attached: dict[int, torch.Tensor] = {}  # a last stage's losses until their backward
         deferred: dict[tuple[int, int], WeightGrads] = {}
         for n, action in enumerate(self.actions):
             stage = self.stages[action.stage_index]
@@ -340,11 +341,13 @@ class DistributedRuntime:
             if action.kind == FORWARD:
                 out = self._forward(step, action, microbatches[i], train=True)
                 if stage.is_last:
-                    losses[i] = weighted_loss(loss_fn, out, targets[i], weights[i])
+                    attached[i] = weighted_loss(loss_fn, out, targets[i], weights[i])
+                    losses[i] = attached[i].detach()
+                del out  # the graph stays only where its backward will let go of it
             elif action.kind == BACKWARD:
                 sink = WeightGrads() if split or early else None
                 with collecting(sink):
-                    self._backward(step, action, losses.get(i) if stage.is_last else None)
+                    self._backward(step, action, attached.pop(i) if stage.is_last else None)
                 if early:
                     sink.apply()
                 else:
@@ -361,7 +364,7 @@ class DistributedRuntime:
             old = stash[id(p)]
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)
-        total = torch.stack([l.detach() for l in losses.values()]).sum() if losses else torch.zeros(())
+        total = torch.stack(list(losses.values())).sum() if losses else torch.zeros(())
         total = total.to(self.device)
         work = dist.all_reduce(total, async_op=True)
         self._wait(work, "the loss all-reduce", "every rank")

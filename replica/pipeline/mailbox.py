@@ -61,6 +61,7 @@ class Mailbox:
 
     def send(self, key: Key, tensor: torch.Tensor) -> None:
         """Send ``tensor`` as message ``key`` (now, or when its turn in the pair's order comes)."""
+        self._release()
         payload = tensor.detach().contiguous()
         if self.ordered:
             self.outbox[key] = payload
@@ -78,6 +79,7 @@ class Mailbox:
             )
         work, buf = self.recvs.pop(key)
         self.wait(work, what, self.global_rank(self.peer[key]))
+        self._release()
         if key[3] == BWD:
             sent = self.sends.pop((key[0], key[1], key[2], FWD), None)
             if sent is not None:
@@ -95,6 +97,14 @@ class Mailbox:
                 f"a step ended with messages never posted {unsent[:4]} or never read {list(self.recvs)[:4]} "
                 "(a Replica bug in the message order)"
             )
+
+    def _release(self) -> None:
+        """Let go of the payloads whose sends are done. A gradient sent upstream is read by
+        nobody here, and kept to the step's end it would sit amid the next micro-batches'
+        tensors, where the allocator could not reuse the space around it."""
+        for key in [k for k, (work, *_) in self.sends.items() if work.is_completed()]:
+            work, _, what, peer = self.sends.pop(key)
+            self.wait(work, what, peer)  # done: returns at once, or raises if the send failed
 
     def _pump(self, peer: int) -> None:
         """Post ``peer``'s queue from its head, up to a send whose value is not made yet."""
