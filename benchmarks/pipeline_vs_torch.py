@@ -151,12 +151,13 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         # "-even": micro-batches of one size (no grading); "-eager": every receive posted up front;
         # "-late": a backward computes its weight gradients before sending its input gradient
         # "-pointwise": GELU outputs rebuilt in backward (recompute="pointwise");
+        # "-keep": every activation kept (recompute=False: not even the planner's free rebuilds);
         # "-after": data-parallel all-reduces started after the backward, not during it
         name = s
         mbs = None  # "-m<N>": N micro-batches (for "auto", the tuner's choice otherwise)
         if "-m" in name and name.rsplit("-m", 1)[1].isdigit():
             name, mbs = name.rsplit("-m", 1)
-        for suffix in ("-even", "-eager", "-late", "-pointwise", "-after"):
+        for suffix in ("-even", "-eager", "-late", "-pointwise", "-keep", "-after"):
             name = name.removesuffix(suffix)
         hints = {} if name == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
                                             num_microbatches=MICROBATCHES, schedule=name)
@@ -166,6 +167,8 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
             hints["graded_microbatches"] = False
         if s.endswith("-pointwise"):
             hints["recompute"] = "pointwise"
+        if s.endswith("-keep"):
+            hints["recompute"] = False
         os.environ["REPLICA_P2P"] = "eager" if s.endswith("-eager") else "ordered"  # read when the pipeline is built
         pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
         if s.endswith("-late"):
@@ -219,7 +222,7 @@ def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0, v
         pm = replica.auto_parallel(model, (x,), num_stages=4 if v else 2, num_microbatches=MICROBATCHES,
                                    schedule="zb-v" if v else "1f1b", loss_fn=loss_fn,
                                    graded_microbatches=framework != "replica-even",
-                                   recompute="pointwise" if framework == "replica-pointwise" else None)
+                                   recompute={"replica-pointwise": "pointwise", "replica-keep": False}.get(framework))
         for _ in range(steps):
             pm.zero_grad()
             pm.train_step(x, y)
@@ -257,12 +260,13 @@ def main() -> None:
     parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint; "
                         "'<name>-even': without graded micro-batches; '<name>-eager': REPLICA_P2P=eager; "
                         "'<name>-late': input gradients sent after the weight gradients; '<name>-pointwise': GELU outputs "
-                        "rebuilt in backward; '<name>-after': data-parallel all-reduces after the backward; "
+                        "rebuilt in backward; '<name>-keep': every activation kept (recompute=False, no rebuilds); "
+                        "'<name>-after': data-parallel all-reduces after the backward; "
                         "'<name>-m<N>': N micro-batches, e.g. 'auto-m1')")
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-rss", action="store_true")
-    parser.add_argument("--rss-only", action="store_true", help="measure peak RSS only (torch, replica, "
+    parser.add_argument("--rss-only", action="store_true", help="measure peak RSS only (torch, replica, keep, "
                         "even, pointwise; and auto beside torch's ZBV)")
     parser.add_argument("--json", help="also write the raw figures here")
     args = parser.parse_args()
@@ -271,7 +275,8 @@ def main() -> None:
     torch_schedules = args.torch_schedules.split(",")
     if args.rss_only:
         for v, what in ((False, "1F1B"), (True, "ZBV / ZB-V")):
-            frameworks = ("torch", "replica", "replica-even", "replica-pointwise") + (("replica-auto",) if v else ())
+            frameworks = ("torch", "replica", "replica-keep", "replica-even", "replica-pointwise") + \
+                (("replica-auto",) if v else ())
             rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, v, timeout_s=600) for fw in frameworks}
             print(f"peak RSS per rank (MiB), {what}: " + ", ".join(f"{fw} {[round(x) for x in r]}"
                                                                    for fw, r in rss.items()))

@@ -12,12 +12,13 @@ from torch.utils._pytree import tree_leaves
 
 from replica.errors import ConfigError, PipelineError
 from replica.partition.cost import CostModel, DeviceSpec, device_spec
-from replica.partition.partitioner import MemoryModel, fingerprint, partition
+from replica.partition.partitioner import MemoryModel, fingerprint, partition, saves_activation
 from replica.partition.plan import Plan
 from replica.partition.profile import profile
 from replica.partition.trace import Traced, trace
 from replica.pipeline import microbatch
 from replica.pipeline.grading import grade
+from replica.pipeline.remat import REBUILT_OPS
 from replica.pipeline.schedule import (
     INTERLEAVED,
     SCHEDULES,
@@ -30,7 +31,7 @@ from replica.pipeline.schedule import (
 )
 from replica.pipeline.simulate import simulate, stage_costs_from_plan
 from replica.pipeline_model import LossFn, PipelineModel, _distributed, plan_schedule
-from replica.tuner import SCHEDULE_CHOICES, tune
+from replica.tuner import SCHEDULE_CHOICES, TIE, tune
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
 
@@ -156,10 +157,12 @@ class _Planner:
 
     def partition_for(self, num_stages: int, num_microbatches: int, schedule: str, replicas: int = 1,
                       num_ranks: int | None = None, batch_fraction: float = 1.0, within_budget: bool = True,
-                      recompute: bool = False, graded: bool | None = None) -> Plan:
+                      recompute: bool = False, graded: bool | None = None, finish: bool = True,
+                      rebuild: bool = True) -> Plan:
         """The plan of one configuration; ``graded`` (default: as the planner was made) lets
-        the micro-batch sizes be graded."""
-        graded = self.graded if graded is None else graded
+        the micro-batch sizes be graded, ``rebuild`` lets stages rebuild cheap outputs.
+        ``finish=False`` (the tuner's candidates) skips both: only the chosen plan gets them
+        (:meth:`finish`)."""
         m = num_microbatches
         if m > self.batch:
             raise ConfigError(
@@ -196,7 +199,71 @@ class _Planner:
             model_flops=3 * self.traced.graph.total_flops * batch_fraction * replicas,
             device_peak_flops=self.spec.datasheet_flops,  # 0 for a CPU: no utilisation figure
         )
-        return self.graded_plan(result, batch_fraction) if graded else result
+        return self.finish(result, batch_fraction, graded, rebuild) if finish else result
+
+    def finish(self, plan: Plan, batch_fraction: float = 1.0, graded: bool | None = None,
+               rebuild: bool = True) -> Plan:
+        """The chosen plan made final: micro-batches graded (unless ``graded`` is False, or
+        the planner was made without), then rebuilds where they are as good as free (unless
+        ``rebuild`` is False: ``recompute=False`` keeps every activation)."""
+        graded = self.graded if graded is None else graded
+        plan = self.graded_plan(plan, batch_fraction) if graded else plan
+        return self.rebuilds(plan, batch_fraction) if rebuild else plan
+
+    def rebuilds(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:
+        """``plan`` with ``rebuilds``: the (stage, kind) pairs whose op outputs (GELU / SiLU,
+        LayerNorm) are rebuilt in backward (:mod:`replica.pipeline.remat`) instead of kept.
+        As in the tuner, predictions within ``TIE`` are a tie that the least memory wins:
+        pairs are taken while the simulated step stays within ``TIE`` of the plan's, the
+        stages with the most idle time first (there the rebuild fills a wait, and costs
+        nothing), and on each the most bytes per second of rebuild first. A GELU's output is
+        a quarter of a transformer layer's activations, each norm's a sixteenth; rebuilding
+        costs one cheap op per micro-batch. A taken pair adds its rebuild to the stage's
+        predicted backward and takes its outputs off the stage's activations (held as often
+        as the plan holds the stage's micro-batches)."""
+        if plan.recompute or plan.pointwise_recompute or plan.num_stages == 1:
+            return plan  # nothing kept to rebuild; rebuilt everywhere already; nobody waits
+        by_name = {n.name: n for n in self.traced.graph.nodes}
+        specs = [device_spec(d) for d in self.devices] if self.devices else [self.spec] * plan.num_stages
+        found: dict[tuple[int, str], tuple[float, int]] = {}  # (stage, kind) -> (seconds per step, bytes)
+        for st, sp in zip(plan.stages, specs):
+            cm = CostModel(sp, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
+                           measured_fraction=self.measured_fraction)
+            for name in st.node_names:
+                n = by_name[name]
+                kind = REBUILT_OPS.get(n.target)
+                if kind is not None and saves_activation(n):
+                    seconds, nbytes = found.get((st.stage_index, kind), (0.0, 0))
+                    found[(st.stage_index, kind)] = (seconds + cm.forward_time(n, plan.num_microbatches),
+                                                     nbytes + int(cm.scaled(n.output_bytes)))
+        if not found:
+            return plan
+        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
+        sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]
+
+        def step_time(p: Plan) -> float:
+            costs = stage_costs_from_plan(p, schedule, device=specs[0])
+            return simulate(schedule, costs, sizes=sizes).step_time_s
+
+        base = step_time(plan)
+        taken, best = [], plan
+        for k, kind in sorted(found, key=lambda key: (plan.stages[key[0]].predicted_time_s,
+                                                      -found[key][1] / max(found[key][0], 1e-12))):
+            seconds, nbytes = found[(k, kind)]
+            st = best.stages[k]
+            received = sum(b.nbytes for b in st.inputs)
+            held = nbytes * (st.memory.activations - received) / st.activation_bytes if st.activation_bytes else 0
+            stage = dataclasses.replace(
+                st, backward_time_s=st.backward_time_s + seconds, activation_bytes=st.activation_bytes - nbytes,
+                memory=dataclasses.replace(st.memory, activations=int(st.memory.activations - held)))
+            trial = dataclasses.replace(best, stages=tuple(stage if s.stage_index == k else s for s in best.stages))
+            if step_time(trial) <= base * (1 + TIE):
+                taken.append((k, kind))
+                best = trial
+        if not taken:
+            return plan
+        return dataclasses.replace(best, rebuilds=tuple(sorted(taken)),
+                                   predicted_step_time_s=plan.predicted_step_time_s + step_time(best) - base)
 
     def graded_plan(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:
         """``plan`` with graded micro-batch shares when the simulator says they beat even ones
@@ -252,11 +319,13 @@ def plan(
     one per stage; default the device's memory when planning analytically) bounds
     weights + gradients + ``optimizer`` state (+ fp32 master weights with
     ``mixed_precision``) + in-flight activations of every stage; ``recompute`` keeps only
-    stage inputs and recomputes activations in backward (None: the tuner decides, else off);
-    ``recompute="pointwise"`` only rebuilds GELU / SiLU outputs in backward, on the stages
-    that hold several micro-batches (bitwise the same gradients; 2 MiB per layer per
-    micro-batch less on a d=256 GPT, about 1-2% more time; the memory estimate still counts
-    those outputs).
+    stage inputs and recomputes activations in backward (None: the tuner decides, and
+    stages rebuild GELU / SiLU / LayerNorm outputs in backward where the simulator finds
+    that within 1% of the step, ``Plan.rebuilds``; False: neither);
+    ``recompute="pointwise"`` rebuilds them regardless of the time, on the stages
+    that hold several micro-batches or send input gradients first (bitwise the same
+    gradients; 3 MiB per layer per 4-sample micro-batch less on a d=256 GPT, under 1% more
+    time; the memory estimate of this opt-in still counts those outputs).
     ``tracer``: ``"fx"``, ``"export"`` (``torch.export``, for what fx cannot trace) or
     ``"auto"`` (fx, then export). ``graded_microbatches`` lets the planner make the
     micro-batches where the pipeline fills and drains smaller (and the middle ones larger)
@@ -266,6 +335,7 @@ def plan(
     _check_count("num_stages", num_stages)
     _check_count("num_microbatches", num_microbatches)
     schedule = _check_schedule(schedule)
+    rebuild = recompute is not False  # False keeps every activation: no rebuilds either
     recompute, pointwise = _check_recompute(recompute)
     traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer=tracer)
     inputs = traced.example
@@ -278,17 +348,17 @@ def plan(
     if world_size is not None and _wants_tuning(num_stages, num_microbatches, schedule):
         return _pointwise(_tuned(planner, world_size, global_batch=True, num_stages=num_stages,
                                  num_microbatches=num_microbatches, schedule=schedule, data_parallel_size=None,
-                                 recompute=recompute), pointwise)
+                                 recompute=recompute, rebuild=rebuild), pointwise)
     name = "1f1b" if schedule == "auto" else schedule
     stages, ranks, replicas = num_stages or stages_per_rank(name), None, 1
     if world_size is not None:
         stages, ranks, replicas = _layout(name, num_stages, None, world_size)
     return _pointwise(_fixed(planner, stages, ranks, replicas, num_microbatches, name, global_batch=True,
-                             recompute=bool(recompute)), pointwise)
+                             recompute=bool(recompute), rebuild=rebuild), pointwise)
 
 
 def _fixed(planner: _Planner, stages: int, ranks: int | None, replicas: int, num_microbatches: int | None,
-           schedule: str, *, global_batch: bool, recompute: bool = False) -> Plan:
+           schedule: str, *, global_batch: bool, recompute: bool = False, rebuild: bool = True) -> Plan:
     """The plan of one given configuration."""
     share = planner.batch // replicas if global_batch else planner.batch
     if global_batch and planner.batch % replicas:
@@ -300,12 +370,13 @@ def _fixed(planner: _Planner, stages: int, ranks: int | None, replicas: int, num
             f"sample. Use num_microbatches <= {share}, or a larger batch."
         )
     return planner.partition_for(stages, m, schedule, replicas, num_ranks=ranks,
-                                 batch_fraction=1 / replicas if global_batch else 1.0, recompute=recompute)
+                                 batch_fraction=1 / replicas if global_batch else 1.0, recompute=recompute,
+                                 rebuild=rebuild)
 
 
 def _tuned(planner: _Planner, world_size: int, *, global_batch: bool, num_stages: int | None,
            num_microbatches: int | None, schedule: str, data_parallel_size: int | None,
-           recompute: bool | None = None) -> Plan:
+           recompute: bool | None = None, rebuild: bool = True) -> Plan:
     """The fastest configuration of ``world_size`` devices that fits, by simulation."""
     schedules = SCHEDULE_CHOICES if schedule == "auto" else (schedule,)
 
@@ -313,14 +384,13 @@ def _tuned(planner: _Planner, world_size: int, *, global_batch: bool, num_stages
         return planner.partition_for(stages, m, name, replicas, num_ranks=stages // stages_per_rank(name),
                                      batch_fraction=1 / replicas if global_batch else 1.0,
                                      within_budget=within_budget, recompute=again,
-                                     graded=False)  # candidates even; the winner is graded below
+                                     finish=False)  # candidates even; the winner is finished below
 
     best, _ = tune(partition_for, world_size=world_size, batch=planner.batch, num_ops=len(planner.traced.graph.op_nodes),
                    device=planner.spec, memory_budget=planner.budget_per_device(), num_stages=num_stages,
                    num_microbatches=num_microbatches, schedules=schedules, data_parallel_size=data_parallel_size,
                    global_batch=global_batch, recompute=(False, True) if recompute is None else (recompute,))
-    return planner.graded_plan(best, 1 / best.data_parallel_size if global_batch else 1.0) if planner.graded \
-        else best
+    return planner.finish(best, 1 / best.data_parallel_size if global_batch else 1.0, rebuild=rebuild)
 
 
 def _layout(
@@ -458,6 +528,7 @@ def auto_parallel(
         raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    rebuild = recompute is not False  # False keeps every activation: no rebuilds either
     recompute, pointwise = _check_recompute(recompute)
     traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer=tracer)
     inputs = traced.example
@@ -471,11 +542,11 @@ def auto_parallel(
         if world > 1 and _wants_tuning(num_stages, num_microbatches, schedule):
             plan = _tuned(planner, world, global_batch=False, num_stages=num_stages,
                           num_microbatches=num_microbatches, schedule=schedule,
-                          data_parallel_size=data_parallel_size, recompute=recompute)
+                          data_parallel_size=data_parallel_size, recompute=recompute, rebuild=rebuild)
         elif world == 1 and schedule == "auto":
             plan = _tuned(planner, num_stages or 1, global_batch=False, num_stages=num_stages,
                           num_microbatches=num_microbatches, schedule=schedule, data_parallel_size=1,
-                          recompute=recompute)
+                          recompute=recompute, rebuild=rebuild)
         else:
             name = "1f1b" if schedule == "auto" else schedule
             if world > 1:
@@ -484,7 +555,7 @@ def auto_parallel(
                 stages = num_stages or stages_per_rank(name)
                 ranks, replicas = max(1, stages // stages_per_rank(name)), 1
             plan = _fixed(planner, stages, ranks, replicas, num_microbatches, name, global_batch=False,
-                          recompute=bool(recompute))
+                          recompute=bool(recompute), rebuild=rebuild)
     elif plan is not None and world > 1:
         _layout(plan.schedule, plan.num_stages, plan.data_parallel_size, world)  # the plan must fit this world
     if plan is not None:  # rank 0 (or every rank, given a plan): the others receive it

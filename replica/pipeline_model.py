@@ -15,6 +15,7 @@ from replica.partition.trace import Traced
 from replica.pipeline import microbatch
 from replica.pipeline.distributed import DistributedRuntime, Topology
 from replica.pipeline.local import LocalRuntime, LossFn
+from replica.pipeline.remat import rebuildable_norms
 from replica.pipeline.schedule import Schedule, durations_of, make_schedule, splits_backward, stage_scale_of
 from replica.pipeline.shapes import ShapeOracle
 from replica.pipeline.weightgrad import defer_linear_weight_grads
@@ -61,6 +62,9 @@ class PipelineModel:
             # linear weight gradients can wait: for their W action, or until the input gradients left
             for stage in self.all_stages:
                 defer_linear_weight_grads(stage.module)
+        if plan.pointwise_recompute or plan.rebuilds:
+            for stage in self.all_stages:  # norms that note their eps, so that their outputs can be rebuilt
+                rebuildable_norms(stage.module)
         self._canonical = {alias: name for name, aliases in plan.tied_parameters.items() for alias in aliases}
         self.runtime: LocalRuntime | DistributedRuntime
         if _distributed():
@@ -76,7 +80,8 @@ class PipelineModel:
             self._release_remote_weights()
         else:
             self.runtime = LocalRuntime(self.all_stages, self.schedule, recompute=plan.recompute,
-                                        pointwise_recompute=plan.pointwise_recompute)
+                                        pointwise_recompute=plan.pointwise_recompute,
+                                        rebuilds=plan.rebuilds)
             self.stages = self.all_stages
             self.pipeline_rank = 0
             self.data_parallel_rank = 0

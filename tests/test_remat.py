@@ -1,9 +1,12 @@
-"""Pointwise recompute: GELU / SiLU outputs are rebuilt in backward, bit for bit, and not kept."""
+"""Selective recompute: GELU / SiLU / LayerNorm outputs are rebuilt in backward, bit for bit,
+and not kept; the planner turns it on where it is as good as free."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import json
 import weakref
 
 import pytest
@@ -13,13 +16,17 @@ import torch.nn.functional as F
 import replica
 from replica.pipeline import remat
 from replica.pipeline.weightgrad import WeightGrads, collecting, linear
+from replica.tuner import TIE
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 
+_LN_W, _LN_B = torch.randn(16), torch.randn(16)
 OPS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
     "silu": F.silu,
+    "layer_norm": lambda h: remat.layer_norm(h, (16,), _LN_W, _LN_B, 1e-3),
+    "layer_norm_bare": lambda h: remat.layer_norm(h, (16,)),  # no weight, no bias, default eps
 }
 
 
@@ -95,6 +102,53 @@ def test_an_output_written_in_place_is_kept_as_it_is():
         assert torch.equal(g, w)
 
 
+def test_a_norm_run_without_its_eps_noted_is_kept():
+    """F.layer_norm's autograd node does not keep eps: only remat.layer_norm's output is rebuilt."""
+    _, alive = _grads(lambda h: F.layer_norm(h, (16,)), F.linear, recompute=True)
+    assert alive
+
+
+@pytest.mark.parametrize("kinds,rebuilt", [({"activation"}, "gelu"), ({"norm"}, "layer_norm")])
+def test_only_the_kinds_asked_for_are_rebuilt(kinds, rebuilt):
+    for name in ("gelu", "layer_norm"):
+        want, _ = _grads(OPS[name], linear, recompute=False)
+        got, alive = _grads(OPS[name], linear, recompute=kinds)
+        assert alive == (name != rebuilt), name
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+def test_an_unknown_kind_is_refused():
+    with pytest.raises(replica.ReplicaError, match=r"unknown kinds of rebuilt ops \['attention'\]; choose from"):
+        with remat.pointwise_recompute({"attention"}):
+            pass
+
+
+def test_norms_are_rewritten_to_note_their_eps():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(8, eps=1e-3)
+            self.bare = torch.nn.LayerNorm(8, elementwise_affine=False)
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(F.layer_norm(self.bare(self.ln(x)), (8,), eps=1e-2))
+
+    torch.manual_seed(0)
+    net = Net()
+    gm = torch.fx.symbolic_trace(net)
+    x = torch.randn(3, 8)
+    want = net(x)
+    assert remat.rebuildable_norms(gm) == 3
+    assert not any(n.op == "call_module" and "ln" in str(n.target) for n in gm.graph.nodes)
+    assert torch.equal(gm(x), want)
+    with remat.pointwise_recompute({"norm"}):
+        out = gm(x.requires_grad_())
+    assert out.grad_fn.next_functions  # still differentiable
+    assert remat.rebuildable_norms(gm) == 0  # nothing left to rewrite
+
+
 def test_off_outside_grad_mode_and_when_disabled():
     assert remat.rebuildable(F.gelu(torch.randn(3, requires_grad=True))) is None  # no context active
     with torch.no_grad(), remat.pointwise_recompute():
@@ -109,8 +163,10 @@ def test_pipelined_gradients_are_bitwise_those_without_it():
                                    schedule="zb-h1", loss_fn=loss_fn, device=COMPUTE_BOUND,
                                    recompute="pointwise" if on else None)
         # 1F1B-shaped: the first stage holds two micro-batches at once, the last one
-        assert pm.runtime.pointwise_recompute == ({0} if on else set())
-        pm.runtime.pointwise_recompute = {0, 1} if on else set()
+        if on:
+            assert pm.runtime.pointwise_recompute[0] == set(remat.KINDS)
+        # both stages, every kind; or none at all (the planner's own rebuilds off too)
+        pm.runtime.pointwise_recompute = {0: frozenset(remat.KINDS), 1: frozenset(remat.KINDS)} if on else {}
         pm.train_step(inputs, target)
         grads.append({n: p.grad for n, p in pm.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
@@ -166,3 +222,56 @@ def test_a_bad_recompute_names_the_choices(bad):
     model, inputs, _, loss_fn = models.tiny_gpt(8, num_layers=2)
     with pytest.raises(replica.ReplicaError, match=r"recompute must be True .*'pointwise'.* got"):
         replica.auto_parallel(model, inputs, num_stages=2, loss_fn=loss_fn, device=COMPUTE_BOUND, recompute=bad)
+
+
+def _planner(model, inputs, device=COMPUTE_BOUND):
+    from replica.api import MemoryModel, _Planner
+    from replica.partition.trace import trace
+
+    traced = trace(model, inputs)
+    return _Planner(traced, model, traced.example, device=device, cost="analytic", memory_budget=None,
+                    memory_model=MemoryModel(), num_microbatches=4, num_stages_hint=2)
+
+
+def test_the_planner_rebuilds_where_it_is_as_good_as_free():
+    """On a compute-bound device a GELU or a norm costs next to nothing: every stage rebuilds
+    both kinds, its activations lose them, and the predicted step stays within the tie."""
+    model, inputs, _, _ = models.tiny_gpt(8, num_layers=2)
+    planner = _planner(model, inputs)
+    raw = planner.partition_for(2, 4, "1f1b", finish=False)
+    plan = planner.finish(raw)
+    assert set(plan.rebuilds) == {(0, "activation"), (0, "norm"), (1, "activation"), (1, "norm")}
+    assert plan.predicted_step_time_s <= raw.predicted_step_time_s * (1 + TIE)
+    for before, after in zip(raw.stages, plan.stages):
+        assert after.memory.activations < before.memory.activations
+        assert after.backward_time_s >= before.backward_time_s
+    again = replica.Plan.from_json(plan.to_json())
+    assert again.rebuilds == plan.rebuilds and again.rebuilt(0) == {"activation", "norm"}
+    assert "rebuilding GELU outputs on stages [0, 1], LayerNorm outputs on stages [0, 1]" in " ".join(
+        plan.summary().split())
+
+
+def test_the_planner_leaves_rebuilds_that_would_cost_time():
+    """Where memory is slow a rebuild costs real time: the bottleneck stage rebuilds nothing,
+    the other stage only what fits in its wait. Nor under full recompute (nothing is kept to
+    rebuild), nor on one stage (nobody waits)."""
+    model, inputs, _, _ = models.tiny_gpt(8, num_layers=2)
+    slow = dataclasses.replace(COMPUTE_BOUND, name="slow-memory", memory_bandwidth=1e3)
+    planner = _planner(model, inputs, device=slow)
+    raw = planner.partition_for(2, 4, "1f1b", finish=False)
+    plan = planner.finish(raw)
+    bottleneck = max(raw.stages, key=lambda s: s.predicted_time_s).stage_index
+    assert plan.rebuilt(bottleneck) == frozenset()
+    assert plan.rebuilt(1 - bottleneck)  # its wait pays for a rebuild
+    assert plan.predicted_step_time_s <= raw.predicted_step_time_s * (1 + TIE)
+    fast = _planner(model, inputs)
+    assert fast.finish(fast.partition_for(2, 4, "1f1b", recompute=True, finish=False)).rebuilds == ()
+    assert fast.finish(fast.partition_for(1, 4, "1f1b", finish=False)).rebuilds == ()
+
+
+def test_an_old_plan_without_rebuilds_loads():
+    model, inputs, _, _ = models.tiny_gpt(8, num_layers=2)
+    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND)
+    data = json.loads(plan.to_json())
+    del data["rebuilds"]
+    assert replica.Plan.from_json(json.dumps(data)).rebuilds == ()

@@ -70,7 +70,7 @@ def in_flight_microbatches(schedule: str, stage_index: int, num_stages: int, num
     return min(num_microbatches, num_stages - stage_index)
 
 
-def _saves_activation(n: Node) -> bool:
+def saves_activation(n: Node) -> bool:
     return n.kind == OP and (n.flops > 0 or n.bytes_accessed > 0) and any(t.is_floating for t in n.outputs)
 
 
@@ -291,7 +291,7 @@ def _memory_matrices(
     static = np.cumsum(np.cumsum(d, axis=0), axis=1)[: n + 1, : n + 1]
     per_seg = np.zeros(n)
     for i, x in enumerate(nodes):
-        if _saves_activation(x):
+        if saves_activation(x):
             per_seg[seg_of[i]] += x.output_bytes * fraction / m
     prefix = np.concatenate([[0.0], np.cumsum(per_seg)])
     activation = np.maximum(prefix[None, :] - prefix[:, None], 0.0)
@@ -365,7 +365,7 @@ def _describe(
         weight_bytes = sum(p.nbytes for p in infos if not p.is_buffer)
         numel = sum(p.nbytes // max(1, TensorInfo((), p.dtype).nbytes) for p in infos if not p.is_buffer)
         buffer_bytes = sum(p.nbytes for p in infos if p.is_buffer)
-        saved = int(cm.scaled(sum(n.output_bytes for n in members if _saves_activation(n))))
+        saved = int(cm.scaled(sum(n.output_bytes for n in members if saves_activation(n))))
         received = sum(b.nbytes for b in incoming[k])
         # the per-call part: what a call costs whatever the micro-batch size
         fixed_fwd = sum(cm.call_overhead(n) for n in members)

@@ -105,6 +105,10 @@ class Plan:
     # stages that hold several micro-batches rebuild GELU / SiLU outputs in backward instead
     # of keeping them (pipeline/remat.py): less memory, about 1-2% more time; opt-in
     pointwise_recompute: bool = False
+    # (stage, kind) pairs: the kinds of ops ("activation": GELU / SiLU, "norm": LayerNorm)
+    # whose outputs a stage rebuilds anyway, because the planner found it as good as free
+    # (api._Planner.rebuilds)
+    rebuilds: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -133,6 +137,10 @@ class Plan:
             return self.simulated_bubble
         p, m = self.num_stages, self.num_microbatches
         return (p - 1) / (m + p - 1)
+
+    def rebuilt(self, stage_index: int) -> frozenset[str]:
+        """The kinds of ops whose outputs ``stage_index`` rebuilds in backward, unasked."""
+        return frozenset(kind for k, kind in self.rebuilds if k == stage_index)
 
     def stage_of(self, node_name: str) -> int:
         for s in self.stages:
@@ -176,6 +184,7 @@ class Plan:
             data["tied_parameters"] = {k: tuple(v) for k, v in data["tied_parameters"].items()}
             data["alternatives"] = tuple((str(a), float(t)) for a, t in data.get("alternatives", ()))
             data["microbatch_shares"] = tuple(float(x) for x in data.get("microbatch_shares", ()))
+            data["rebuilds"] = tuple((int(k), str(kind)) for k, kind in data.get("rebuilds", ()))
             return cls(stages=stages, **data)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(
@@ -188,12 +197,19 @@ class Plan:
         from rich.console import Console
         from rich.table import Table
 
+        names = {"activation": "GELU", "norm": "LayerNorm"}
+        rebuild = ", rebuilding GELU outputs" if self.pointwise_recompute else ""
+        if self.rebuilds and not self.pointwise_recompute:
+            order = list(names)
+            kinds = sorted({c for _, c in self.rebuilds}, key=lambda c: (order.index(c) if c in order else 9, c))
+            rebuild = ", rebuilding " + ", ".join(
+                f"{names.get(kind, kind)} outputs on stages {[k for k, c in self.rebuilds if c == kind]}"
+                for kind in kinds)
         table = Table(title=(
             f"{self.model_name}: {self.num_stages} stages × {self.data_parallel_size} "
             f"replica{'s' if self.data_parallel_size != 1 else ''}, "
             f"{self.num_microbatches} micro-batches, {self.schedule}"
-            f"{', recomputing activations' if self.recompute else ''}"
-            f"{', rebuilding GELU outputs' if self.pointwise_recompute else ''}, on {self.device}"
+            f"{', recomputing activations' if self.recompute else ''}{rebuild}, on {self.device}"
         ), title_justify="left")
         for col in ("stage", "ops", "params", "modules", "fwd+bwd", "comm", "memory", "sends"):
             table.add_column(col, justify="left" if col in ("modules", "sends") else "right")

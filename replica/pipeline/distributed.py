@@ -22,7 +22,7 @@ from replica.partition.split import StageModule
 from replica.pipeline import p2p
 from replica.pipeline.gradsync import ReplicaReducer
 from replica.pipeline.p2p import BWD, FWD
-from replica.pipeline.local import RandomStreams, StepResult, holding_several, run_stage, weighted_loss
+from replica.pipeline.local import RandomStreams, StepResult, holding_several, rebuild_map, run_stage, weighted_loss
 from replica.pipeline.mailbox import Mailbox, greet_peers, ordered_posting
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, fused_weight_grads, placement,
                                        splits_backward)
@@ -112,11 +112,13 @@ class DistributedRuntime:
         # to another rank still runs in two parts, inside its own action: input gradients,
         # sent at once, then the weight gradients while the upstream rank already works.
         self.early = sends_back if plan.early_input_grads and not self.split_backward else set()
-        # stages whose GELU / SiLU outputs are rebuilt in backward, not kept (pipeline/remat.py):
-        # those that hold several micro-batches at once, and those that hold a backward's layer
-        # inputs and output gradients until the input gradients have left (early)
-        self.pointwise_recompute = ((holding_several(schedule, len(stages)) & set(self.stages)) | self.early
-                                    if plan.pointwise_recompute else set())
+        # stage -> the kinds of ops whose outputs it rebuilds in backward (pipeline/remat.py):
+        # with plan.pointwise_recompute every kind on the stages that hold several micro-batches
+        # at once and those that hold a backward's layer inputs and output gradients until the
+        # input gradients have left (early); else the plan's rebuilds, found as good as free
+        every = (holding_several(schedule, len(stages)) | self.early) if plan.pointwise_recompute else set()
+        self.pointwise_recompute = {k: kinds for k, kinds in rebuild_map(every, plan.rebuilds).items()
+                                    if k in self.stages}
         # the action after which a stage's gradients are final (its last B, or W when split)
         self.last_backward = {
             s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind != FORWARD)
@@ -260,7 +262,7 @@ class DistributedRuntime:
                 values.append(value.detach().requires_grad_(train and m.requires_grad))
             args = tuple(values)
         out = run_stage(stage, args, self.recompute and train, self.random.seed(stage.stage_index, i),
-                        pointwise=stage.stage_index in self.pointwise_recompute)
+                        pointwise=self.pointwise_recompute.get(stage.stage_index, False))
         if not stage.is_last:
             for name, readers, value in zip(stage.output_names, stage.output_destinations, out):
                 if not isinstance(value, torch.Tensor):

@@ -8,7 +8,7 @@ that produced them (long skips go straight to their producer).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 from replica.errors import PipelineError
 from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
-from replica.pipeline.remat import pointwise_recompute
+from replica.pipeline.remat import KINDS, pointwise_recompute
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, execution_order, fused_weight_grads,
                                        max_in_flight, splits_backward)
 from replica.pipeline.weightgrad import WeightGrads, collecting
@@ -42,16 +42,26 @@ def _as_leaf(value: Any) -> Any:
 
 
 def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool, seed: int | None = None,
-              pointwise: bool = True) -> Any:
+              pointwise: bool | Collection[str] = True) -> Any:
     """A stage's forward; with ``recompute`` only its inputs are kept and the forward runs
-    again inside backward (``torch.utils.checkpoint``, RNG state preserved); otherwise, with
-    ``pointwise``, only GELU / SiLU outputs are rebuilt in backward (:mod:`.remat`). ``seed``
+    again inside backward (``torch.utils.checkpoint``, RNG state preserved); otherwise the
+    outputs of the ``pointwise`` kinds of ops (:func:`.remat.pointwise_recompute`: True for
+    every kind) are rebuilt in backward. ``seed``
     seeds the random ops of a stage that has any (see :class:`RandomStreams`)."""
     with seeded(seed if stage.uses_rng else None, stage.device):
         if recompute and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
         with pointwise_recompute(pointwise):
             return stage.module(*args)
+
+
+def rebuild_map(every_kind: Iterable[int], rebuilds: Iterable[tuple[int, str]]) -> dict[int, frozenset[str]]:
+    """Stage -> the kinds of ops whose outputs it rebuilds: every kind on ``every_kind``'s
+    stages, and the ``(stage, kind)`` pairs of ``rebuilds``."""
+    out: dict[int, set[str]] = {k: set(KINDS) for k in every_kind}
+    for k, kind in rebuilds:
+        out.setdefault(k, set()).add(kind)
+    return {k: frozenset(kinds) for k, kinds in out.items()}
 
 
 def holding_several(schedule: Schedule, num_stages: int) -> set[int]:
@@ -93,11 +103,14 @@ class LocalRuntime:
     """Executes a schedule's actions over ``stages`` (all in this process)."""
 
     def __init__(self, stages: Sequence[StageModule], schedule: Schedule, *, recompute: bool = False,
-                 pointwise_recompute: bool = False) -> None:
+                 pointwise_recompute: bool = False, rebuilds: Iterable[tuple[int, str]] = ()) -> None:
         self.stages = list(stages)
         self.recompute = recompute
-        # stages whose GELU / SiLU outputs are rebuilt in backward, not kept (pipeline/remat.py)
-        self.pointwise_recompute = holding_several(schedule, len(stages)) if pointwise_recompute else set()
+        # stage -> the kinds of ops whose outputs it rebuilds in backward (pipeline/remat.py):
+        # with pointwise_recompute every kind on every stage that holds several micro-batches,
+        # else the plan's rebuilds (where the planner found them as good as free)
+        self.pointwise_recompute = rebuild_map(holding_several(schedule, len(stages)) if pointwise_recompute
+                                               else (), rebuilds)
         self.schedule = schedule
         self.order: list[Action] = execution_order(schedule, len(self.stages))
         self.split_backward = splits_backward(schedule)
@@ -114,7 +127,7 @@ class LocalRuntime:
             for stage in self.stages:
                 args = inputs if stage.is_first else tuple(values[n] for n in stage.input_names)
                 out = run_stage(stage, args, False, self.random.seed(stage.stage_index, i),
-                                pointwise=stage.stage_index in self.pointwise_recompute)
+                                pointwise=self.pointwise_recompute.get(stage.stage_index, False))
                 if not stage.is_last:
                     values.update(zip(stage.output_names, out))
             outputs.append(out)
@@ -148,7 +161,7 @@ class LocalRuntime:
                 else:
                     args = tuple(_as_leaf(values[i][n]) for n in stage.input_names)
                 out = run_stage(stage, args, self.recompute, self.random.seed(stage.stage_index, i),
-                                pointwise=stage.stage_index in self.pointwise_recompute)
+                                pointwise=self.pointwise_recompute.get(stage.stage_index, False))
                 received[key] = args
                 if stage.is_last:
                     produced[key] = weighted_loss(loss_fn, out, targets[i], weights[i])

@@ -99,7 +99,8 @@ def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: i
         torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{schedule} loss: {m}")
         names = _assert_same_grads(pm, ref)
         reports.append({
-            "pointwise": sorted(pm.runtime.pointwise_recompute),
+            "pointwise": {k: sorted(kinds) for k, kinds in pm.runtime.pointwise_recompute.items()},
+            "rebuilds": pm.plan.rebuilds,
             "schedule": schedule,
             "loss": loss.item(),
             "names": names,
@@ -284,10 +285,23 @@ def test_tiny_gpt_tied_weight_gpipe_and_1f1b(gpt):
 def test_pointwise_recompute_keeps_gradients(gpt_pointwise):
     # every rank compared loss and gradients with the plain model's inside the job
     rank0, rank1 = gpt_pointwise
-    # 1F1B: rank 0 holds two micro-batches, rank 1 sends input gradients first; ZB-H1 splits
-    # backward itself, so only the stage holding several micro-batches rebuilds
-    assert [r["pointwise"] for r in rank0] == [[0], [0]]
-    assert [r["pointwise"] for r in rank1] == [[1], []]
+    every = ["activation", "norm"]
+    # asked for: every kind, under 1F1B on rank 0 (it holds two micro-batches) and rank 1 (it
+    # sends input gradients first); ZB-H1 splits backward itself, so rank 1 rebuilds only what
+    # the planner found as good as free
+    assert [r["pointwise"] for r in rank0] == [{0: every}, {0: every}]
+    assert rank1[0]["pointwise"] == {1: every}
+    assert rank1[1]["pointwise"] == ({1: sorted(kind for _, kind in rank1[1]["rebuilds"] if _ == 1)}
+                                     if any(k == 1 for k, _ in rank1[1]["rebuilds"]) else {})
+
+
+def test_rebuilds_the_planner_found_keep_gradients(gpt):
+    # unasked: on a compute-bound device a GELU or a norm costs next to nothing, so the planner
+    # rebuilds both kinds on both stages; each rank compared its gradients with the plain model's
+    for rank, reports in enumerate(gpt):
+        for r in reports:
+            assert set(r["rebuilds"]) == {(0, "activation"), (0, "norm"), (1, "activation"), (1, "norm")}, r["schedule"]
+            assert r["pointwise"] == {rank: ["activation", "norm"]}
 
 
 def test_state_dict_per_rank_and_union_loads_into_plain_model(gpt):

@@ -30,7 +30,10 @@ def test_a_killed_rank_is_restarted_and_resumes_to_the_same_weights(tmp_path: Pa
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     log = (done.stdout + done.stderr)[-6000:]
     assert done.returncode == 0, log
-    assert "exitcode: 17" in log, "rank 1 should have killed itself on the first attempt:\n" + log
+    # torchrun names the first failure it polls: rank 1's exit, or rank 0 losing rank 1 when
+    # both are over by the time it looks (it looks at rank 0 first)
+    assert "exitcode: 17" in log or "from rank 1" in log, \
+        "rank 1 should have killed itself on the first attempt:\n" + log
 
     # the first attempt never finished; the restart (attempt 1) resumed from step 3 on both ranks
     assert not list(tmp_path.glob("attempt0-*.json")), log
