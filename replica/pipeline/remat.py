@@ -29,6 +29,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from replica.errors import ConfigError
+from replica.pipeline.rewrite import rewrite_calls
 
 __all__ = ["pointwise_recompute", "rebuildable", "materialize", "layer_norm", "rebuildable_norms", "KINDS",
            "REBUILT_OPS"]
@@ -170,25 +171,15 @@ torch.fx.wrap("layer_norm")  # one node if a rewritten module is ever traced aga
 def rebuildable_norms(module: fx.GraphModule) -> int:
     """Route every ``nn.LayerNorm`` and ``F.layer_norm`` of ``module`` through
     :func:`layer_norm`. Returns how many."""
-    graph = module.graph
-    count = 0
-    for n in list(graph.nodes):
+
+    def replace(graph: fx.Graph, n: fx.Node) -> fx.Node | None:
         if n.op == "call_module" and type(module.get_submodule(str(n.target))) is torch.nn.LayerNorm:
             norm = module.get_submodule(str(n.target))
-            with graph.inserting_before(n):
-                weight = graph.get_attr(f"{n.target}.weight") if norm.weight is not None else None
-                bias = graph.get_attr(f"{n.target}.bias") if norm.bias is not None else None
-                new = graph.call_function(layer_norm, (n.args[0], tuple(norm.normalized_shape), weight, bias,
-                                                       norm.eps))
-        elif n.op == "call_function" and n.target is F.layer_norm:
-            with graph.inserting_before(n):
-                new = graph.call_function(layer_norm, n.args, dict(n.kwargs))
-        else:
-            continue
-        n.replace_all_uses_with(new)
-        graph.erase_node(n)
-        count += 1
-    if count:
-        graph.lint()
-        module.recompile()
-    return count
+            weight = graph.get_attr(f"{n.target}.weight") if norm.weight is not None else None
+            bias = graph.get_attr(f"{n.target}.bias") if norm.bias is not None else None
+            return graph.call_function(layer_norm, (n.args[0], tuple(norm.normalized_shape), weight, bias, norm.eps))
+        if n.op == "call_function" and n.target is F.layer_norm:
+            return graph.call_function(layer_norm, n.args, dict(n.kwargs))
+        return None
+
+    return rewrite_calls(module, replace)

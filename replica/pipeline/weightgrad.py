@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from replica.pipeline import remat
+from replica.pipeline.rewrite import rewrite_calls
 
 __all__ = ["WeightGrads", "defer_linear_weight_grads", "collecting"]
 
@@ -137,28 +138,19 @@ torch.fx.wrap("addmm")
 def defer_linear_weight_grads(module: fx.GraphModule) -> int:
     """Route every ``nn.Linear`` and ``F.linear`` of ``module`` through :func:`linear`, and every
     ``addmm(bias, x, weight)`` of two parameters through :func:`addmm`. Returns how many."""
-    graph = module.graph
-    count = 0
-    for n in list(graph.nodes):
+
+    def replace(graph: fx.Graph, n: fx.Node) -> fx.Node | None:
         if n.op == "call_module" and type(module.get_submodule(str(n.target))) is torch.nn.Linear:
-            with graph.inserting_before(n):
-                weight = graph.get_attr(f"{n.target}.weight")
-                bias = graph.get_attr(f"{n.target}.bias") if module.get_submodule(str(n.target)).bias is not None \
-                    else None
-                new = graph.call_function(linear, (n.args[0], weight, bias))
-        elif n.op == "call_function" and n.target in (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default):
-            with graph.inserting_before(n):
-                new = graph.call_function(linear, n.args, dict(n.kwargs))
-        elif n.op == "call_function" and n.target in (torch.addmm, torch.ops.aten.addmm.default) and not n.kwargs \
-                and len(n.args) == 3 and all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (n.args[0], n.args[2])):
-            with graph.inserting_before(n):  # bias + x @ weight with both weights parameters
-                new = graph.call_function(addmm, n.args)
-        else:
-            continue
-        n.replace_all_uses_with(new)
-        graph.erase_node(n)
-        count += 1
-    if count:
-        graph.lint()
-        module.recompile()
-    return count
+            weight = graph.get_attr(f"{n.target}.weight")
+            bias = graph.get_attr(f"{n.target}.bias") if module.get_submodule(str(n.target)).bias is not None \
+                else None
+            return graph.call_function(linear, (n.args[0], weight, bias))
+        if n.op == "call_function" and n.target in (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default):
+            return graph.call_function(linear, n.args, dict(n.kwargs))
+        params = len(n.args) == 3 and all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (n.args[0], n.args[2]))
+        if n.op == "call_function" and n.target in (torch.addmm, torch.ops.aten.addmm.default) and not n.kwargs \
+                and params:
+            return graph.call_function(addmm, n.args)  # bias + x @ weight with both weights parameters
+        return None
+
+    return rewrite_calls(module, replace)
