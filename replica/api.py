@@ -212,15 +212,17 @@ class _Planner:
 
     def rebuilds(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:
         """``plan`` with ``rebuilds``: the (stage, kind) pairs whose op outputs (GELU / SiLU,
-        LayerNorm) are rebuilt in backward (:mod:`replica.pipeline.remat`) instead of kept.
-        As in the tuner, predictions within ``TIE`` are a tie that the least memory wins:
-        pairs are taken while the simulated step stays within ``TIE`` of the plan's, the
-        stages with the most idle time first (there the rebuild fills a wait, and costs
-        nothing), and on each the most bytes per second of rebuild first. A GELU's output is
-        a quarter of a transformer layer's activations, each norm's a sixteenth; rebuilding
-        costs one cheap op per micro-batch. A taken pair adds its rebuild to the stage's
-        predicted backward and takes its outputs off the stage's activations (held as often
-        as the plan holds the stage's micro-batches)."""
+        LayerNorm) are rebuilt in backward (:mod:`replica.pipeline.remat`) instead of kept,
+        where the rebuild fills time the stage would spend waiting for a slower one: a pair
+        is taken if its stage, rebuild added, stays no slower than the plan's slowest stage
+        and the simulated step within ``TIE`` of the plan's (predictions that close are a
+        tie the least memory wins, as in the tuner). The stages with the most idle time go
+        first, and on each the most bytes per second of rebuild. The slowest stage rebuilds
+        nothing: measured, rebuilding GELU outputs there cost 2% of the step where the model
+        predicted 0.7% (benchmarks/RESULTS.md). A GELU's output is a quarter of a transformer
+        layer's activations, each norm's a sixteenth. A taken pair adds its rebuild to the
+        stage's predicted backward and takes its outputs off the stage's activations (held
+        as often as the plan holds the stage's micro-batches)."""
         if plan.recompute or plan.pointwise_recompute or plan.num_stages == 1:
             return plan  # nothing kept to rebuild; rebuilt everywhere already; nobody waits
         by_name = {n.name: n for n in self.traced.graph.nodes}
@@ -256,6 +258,8 @@ class _Planner:
             stage = dataclasses.replace(
                 st, backward_time_s=st.backward_time_s + seconds, activation_bytes=st.activation_bytes - nbytes,
                 memory=dataclasses.replace(st.memory, activations=int(st.memory.activations - held)))
+            if stage.predicted_time_s > plan.bottleneck_s:
+                continue  # it would not fill a wait but lengthen the slowest stage
             trial = dataclasses.replace(best, stages=tuple(stage if s.stage_index == k else s for s in best.stages))
             if step_time(trial) <= base * (1 + TIE):
                 taken.append((k, kind))

@@ -296,12 +296,15 @@ def test_pointwise_recompute_keeps_gradients(gpt_pointwise):
 
 
 def test_rebuilds_the_planner_found_keep_gradients(gpt):
-    # unasked: on a compute-bound device a GELU or a norm costs next to nothing, so the planner
-    # rebuilds both kinds on both stages; each rank compared its gradients with the plain model's
+    # unasked: on a compute-bound device a GELU or a norm costs next to nothing, so the stage
+    # that waits for the other rebuilds both kinds; each rank compared its gradients with the
+    # plain model's
     for rank, reports in enumerate(gpt):
         for r in reports:
-            assert set(r["rebuilds"]) == {(0, "activation"), (0, "norm"), (1, "activation"), (1, "norm")}, r["schedule"]
-            assert r["pointwise"] == {rank: ["activation", "norm"]}
+            stages = {k for k, _ in r["rebuilds"]}
+            assert len(stages) == 1 and {kind for _, kind in r["rebuilds"]} == {"activation", "norm"}, r["schedule"]
+            waiting = stages.pop()
+            assert r["pointwise"] == ({rank: ["activation", "norm"]} if rank == waiting else {}), r["schedule"]
 
 
 def test_state_dict_per_rank_and_union_loads_into_plain_model(gpt):
