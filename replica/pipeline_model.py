@@ -14,6 +14,7 @@ from replica.partition.split import StageModule, split
 from replica.partition.trace import Traced
 from replica.pipeline import microbatch
 from replica.pipeline.distributed import DistributedRuntime, Topology
+from replica.pipeline.heap import keep_freed_memory
 from replica.pipeline.local import LocalRuntime, LossFn
 from replica.pipeline.remat import rebuildable_norms
 from replica.pipeline.schedule import Schedule, durations_of, make_schedule, splits_backward, stage_scale_of
@@ -65,6 +66,8 @@ class PipelineModel:
         if plan.pointwise_recompute or plan.rebuilds:
             for stage in self.all_stages:  # norms that note their eps, so that their outputs can be rebuilt
                 rebuildable_norms(stage.module)
+        if all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()]):
+            keep_freed_memory()  # a step's freed activations stay mapped for the next micro-batch
         self._canonical = {alias: name for name, aliases in plan.tied_parameters.items() for alias in aliases}
         self.runtime: LocalRuntime | DistributedRuntime
         if _distributed():
