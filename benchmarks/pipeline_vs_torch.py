@@ -131,13 +131,20 @@ def torch_step(rank: int, module: nn.Module, sched, x: torch.Tensor, y: torch.Te
         sched.step(target=y, losses=[])
 
 
-def timed(fn, steps: int) -> float:
+def faults() -> int:
+    """Minor page faults of this process so far: pages the kernel mapped in (and zeroed)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed(fn, steps: int) -> tuple[float, float]:
+    """Seconds and page faults per step, over ``steps`` steps."""
     dist.barrier()
-    start = time.perf_counter()
+    before, start = faults(), time.perf_counter()
     for _ in range(steps):
         fn()
+    after = faults()
     dist.barrier()
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, (after - before) / steps
 
 
 def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str], torch_schedules: list[str],
@@ -192,15 +199,19 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
     for fn in modes.values():  # warm up every path once
         timed(fn, 1)
     times: dict[str, list[float]] = {k: [] for k in modes}
+    faulted: dict[str, list[float]] = {k: [] for k in modes}
     order = list(modes)
     for r in range(rounds):
         # each round starts one mode later: a mode's place in the round (right after torch's
         # step, say) measurably changes its time, so every mode takes every place in turn
         for name in order[r % len(order):] + order[:r % len(order)]:
-            times[name].append(timed(modes[name], steps))
+            seconds, pages = timed(modes[name], steps)
+            times[name].append(seconds)
+            faulted[name].append(pages)
     summaries = {s: pm.plan.summary() for s, pm in pms.items()}
     replicas = {f"replica-{s}": pm.data_parallel_size for s, pm in pms.items()}  # each replica feeds a batch
-    return {"times": times, "summaries": summaries, "replicas": replicas}
+    return {"times": times, "summaries": summaries, "replicas": replicas,
+            "faults": {k: statistics.median(v) for k, v in faulted.items()}}
 
 
 def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0, v: bool = False) -> float:
@@ -281,8 +292,9 @@ def main() -> None:
             print(f"peak RSS per rank (MiB), {what}: " + ", ".join(f"{fw} {[round(x) for x in r]}"
                                                                    for fw, r in rss.items()))
         return
-    result = run_local(compare, 2, args.rounds, args.steps, schedules, torch_schedules, args.vocab,
-                       timeout_s=3000)[0]
+    results = run_local(compare, 2, args.rounds, args.steps, schedules, torch_schedules, args.vocab,
+                        timeout_s=3000)
+    result = results[0]
     tokens = BATCH * SEQ
     # a step of D data-parallel replicas trains D batches: compare time per batch
     med = {k: statistics.median(v) / result["replicas"].get(k, 1) for k, v in result["times"].items()}
@@ -302,6 +314,10 @@ def main() -> None:
         print(f"{name:<{w}}{t:>9.3f}{tokens / t:>11.0f}{speedup:>10.2f}x{speedup / ideal:>15.1%}{speedup / 2:>9.1%}"
               f"{best_torch / t:>14.2f}x")
     paired(result["times"], result["replicas"])
+    # glibc hands a freed heap top back to the system and the next allocation faults it in
+    # again, zero-filled: the cost pipeline/heap.py keeps Replica's CPU ranks from paying
+    print("\npage faults per step, median over rounds [rank 0, rank 1]: " + ", ".join(
+        f"{k} {[round(r['faults'][k]) for r in results]}" for k in result["times"]))
     rss = {}
     if not args.no_rss:
         rss = {fw: run_local(rss_job, 2, fw, 3, args.vocab, timeout_s=600)

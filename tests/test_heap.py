@@ -50,9 +50,17 @@ def test_freed_memory_is_reused_without_page_faults():
     applied, kept = _faults({})
     assert applied
     assert kept < 16384, f"{kept} page faults re-allocating 4 x 16 MiB freed, nine times"
-    applied, system = _faults({"REPLICA_MALLOC": "system"})
-    assert not applied
-    assert system > 9 * 15000, f"only {system} page faults with glibc's own thresholds: the test measures nothing"
+    # glibc's own thresholds fault every round, unless (about one fresh run in six) some other
+    # allocation landed above the freed blocks and kept the heap's top from being trimmed
+    seen = []
+    for _ in range(5):
+        applied, system = _faults({"REPLICA_MALLOC": "system"})
+        assert not applied
+        seen.append(system)
+        if system > 9 * 15000:
+            break
+    else:
+        pytest.fail(f"only {seen} page faults with glibc's own thresholds in five runs: the test measures nothing")
 
 
 @pytest.mark.parametrize("env", [{"REPLICA_MALLOC": "system"}, {"MALLOC_TRIM_THRESHOLD_": "1000000"},
