@@ -26,12 +26,13 @@ from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 GPT3_175B = GPTConfig(block_size=2048, vocab_size=50257, n_layer=96, n_head=96, n_embd=12288)
 
 
-def plan_175b(world_size: int, global_batch: int = 1536, config: GPTConfig = GPT3_175B) -> replica.Plan:
+def plan_175b(world_size: int, global_batch: int = 1536, config: GPTConfig = GPT3_175B,
+              schedule: str = "auto") -> replica.Plan:
     with torch.device("meta"):
         model = GPT(config).to(torch.bfloat16)
     tokens = torch.empty(global_batch, config.block_size, dtype=torch.long, device="meta")
     return replica.plan(model, (tokens,), world_size=world_size, device="a100-80gb", mixed_precision=True,
-                        schedule="auto")
+                        schedule=schedule)
 
 
 def main() -> None:

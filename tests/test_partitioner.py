@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 
 import pytest
 import torch
@@ -74,17 +73,16 @@ def test_bad_bounds_are_an_error(gpt_graph):
         plan(gpt_graph, bounds=[0, 0, len(gpt_graph)])
 
 
-def test_a_96_layer_gpt_cuts_into_64_stages_in_under_a_second():
+def test_a_96_layer_gpt_cuts_into_64_stages():
+    # its time (under a second) is benchmarks/partition_time.py's figure, not a test's
     from examples.gpt.model import GPT, GPTConfig
 
     with torch.device("meta"):
         model = GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=96, n_head=4, n_embd=64))
     graph = trace(model, (torch.empty(8, 128, dtype=torch.long, device="meta"),)).graph
     assert len(graph) > 2000
-    start = time.perf_counter()
     p = partition(graph, CostModel(replica.partition.cost.device_spec("a100-80gb")), num_stages=64,
                   num_microbatches=8, schedule="1f1b")
-    assert time.perf_counter() - start < 1.5  # the 1 s, with room for a loaded CI machine
     assert p.num_stages == 64 and not p.exact and p.lower_bound_s > 0
     assert "lower bound" in p.summary()
 
