@@ -30,7 +30,7 @@ from replica.pipeline.schedule import (
     stages_per_rank,
 )
 from replica.pipeline.simulate import simulate, stage_costs_from_plan
-from replica.pipeline_model import LossFn, PipelineModel, _distributed, plan_schedule
+from replica.pipeline_model import LossFn, PipelineModel, _distributed, graded_order, plan_schedule
 from replica.tuner import SCHEDULE_CHOICES, TIE, tune
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
@@ -271,7 +271,9 @@ class _Planner:
 
     def graded_plan(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:
         """``plan`` with graded micro-batch shares when the simulator says they beat even ones
-        (its predicted step shortened by what they save), else ``plan`` itself."""
+        (its predicted step shortened by what they save, and by what 1F1B's order for graded
+        sizes saves where it is taken: :func:`~replica.pipeline_model.plan_schedule`), else
+        ``plan`` itself."""
         m = plan.num_microbatches
         if plan.num_stages == 1 or m < 2:
             return plan
@@ -282,11 +284,14 @@ class _Planner:
         sizes, step, even = grade(schedule, costs, batch, m, memory_limit=self.budget_per_device())
         if len(set(sizes)) == 1:
             return plan
-        timeline = simulate(schedule, costs, sizes=[s * m / batch for s in sizes])
-        return dataclasses.replace(
-            plan, microbatch_shares=tuple(s / batch for s in sizes), simulated_bubble=timeline.bubble_fraction,
-            predicted_step_time_s=max(0.0, plan.predicted_step_time_s - (even - step)),
-        )
+        relative = [s * m / batch for s in sizes]
+        graded = dataclasses.replace(plan, microbatch_shares=tuple(s / batch for s in sizes))
+        ordered = graded_order(graded, plan.pipeline_ranks or None, schedule) or schedule
+        timeline = simulate(ordered, stage_costs_from_plan(graded, ordered, device=device), sizes=relative)
+        if ordered != schedule:  # the order graded sizes allow: priced against 1F1B's own
+            step -= simulate(schedule, costs, sizes=relative).step_time_s - timeline.step_time_s
+        return dataclasses.replace(graded, simulated_bubble=timeline.bubble_fraction,
+                                   predicted_step_time_s=max(0.0, plan.predicted_step_time_s - (even - step)))
 
 
 def _wants_tuning(num_stages: int | None, num_microbatches: int | None, schedule: str | None) -> bool:

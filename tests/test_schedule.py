@@ -316,3 +316,60 @@ def test_zero_bubble_interleaved_golden_grid():
 def test_zero_bubble_interleaved_is_valid_with_any_durations(p, v, m):
     for durations in ((1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 2.0, 0.5)):
         validate(make_schedule("zb-interleaved", p * v, m, p, durations=durations), p * v, m)
+
+
+# --------------------------------------------------------------------------- 1F1B over graded sizes
+
+
+def test_graded_one_f_one_b_golden_grid():
+    from replica.pipeline.schedule import graded_one_f_one_b
+
+    assert format_grid(graded_one_f_one_b(2, [2, 5, 5, 3, 2]), 2) == docstring_grid(graded_one_f_one_b)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 5), (4, 8), (1, 3), (3, 2)])
+def test_graded_one_f_one_b_over_even_sizes_is_one_f_one_b(p, m):
+    from replica.pipeline.schedule import WEIGHT, graded_one_f_one_b
+
+    schedule = graded_one_f_one_b(p, [1.0] * m)
+    assert [[a for a in r if a.kind != WEIGHT] for r in schedule] == one_f_one_b(p, m)
+    for actions in schedule:  # each W right after its own B
+        for n, a in enumerate(actions):
+            if a.kind == WEIGHT:
+                assert actions[n - 1] == Action(a.stage_index, "B", a.microbatch_index)
+
+
+def held_samples(actions: list[Action], sizes: list[float], fused: bool) -> float:
+    """Most samples whose activations a rank holds: forwarded, not yet through W (B where fused)."""
+    held = peak = 0.0
+    for a in actions:
+        if a.kind == "F":
+            held += sizes[a.microbatch_index]
+            peak = max(peak, held)
+        elif a.kind == ("B" if fused else "W"):
+            held -= sizes[a.microbatch_index]
+    return peak
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(p=st.integers(1, 4), sizes=st.lists(st.integers(1, 6), min_size=1, max_size=9),
+       durations=st.sampled_from([(1.0, 1.0, 1.0), (1.0, 1.4, 0.6), (1.0, 2.0, 0.5)]))
+def test_graded_one_f_one_b_holds_no_more_than_one_f_one_b(p, sizes, durations):
+    from replica.pipeline.schedule import graded_one_f_one_b
+
+    m = len(sizes)
+    schedule = graded_one_f_one_b(p, sizes, durations=durations)
+    validate(schedule, p, m)
+    for r, actions in enumerate(schedule):
+        window = min(m, p - r)
+        one_f_one_b_peak = max(sum(sizes[i:i + window]) for i in range(m - window + 1))
+        assert held_samples(actions, sizes, fused=r == 0) <= one_f_one_b_peak
+
+
+def test_graded_one_f_one_b_bad_sizes():
+    from replica.pipeline.schedule import graded_one_f_one_b
+
+    with pytest.raises(replica.ScheduleError, match=r"must be positive, got \[2, 0, 1\]"):
+        graded_one_f_one_b(2, [2, 0, 1])
+    with pytest.raises(replica.ScheduleError, match="got 2 and 0"):
+        graded_one_f_one_b(2, [])
