@@ -36,7 +36,7 @@ def main() -> None:
         p = partition(graph, cost, num_stages=64, num_microbatches=8, schedule="1f1b")
         best = min(best, time.perf_counter() - start)
     print(f"{len(graph)} ops into {p.num_stages} stages: best of {args.repeats} runs {best:.3f} s "
-          f"({'exact' if p.exact else 'within the lower bound'} {p.lower_bound_s:.4g} s)")
+          f"({'exact' if p.exact else 'not proven exact'}; bottleneck stage at least {p.lower_bound_s:.4g} s)")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import replica  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig, loss_fn  # noqa: E402
+from replica import pipeline_model  # noqa: E402
 from replica.launch import run_local  # noqa: E402
+from replica.pipeline.schedule import format_grid  # noqa: E402
 
 CONFIG = dict(block_size=128, vocab_size=512, n_layer=8, n_head=8, n_embd=256, dropout=0.0)
 BATCH, SEQ, MICROBATCHES = 32, 128, 8
@@ -160,11 +162,12 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         # "-pointwise": GELU outputs rebuilt in backward (recompute="pointwise");
         # "-keep": every activation kept (recompute=False: not even the planner's free rebuilds);
         # "-after": data-parallel all-reduces started after the backward, not during it
+        # "-plainorder": 1F1B's own order even over graded micro-batches (no graded_one_f_one_b)
         name = s
         mbs = None  # "-m<N>": N micro-batches (for "auto", the tuner's choice otherwise)
         if "-m" in name and name.rsplit("-m", 1)[1].isdigit():
             name, mbs = name.rsplit("-m", 1)
-        for suffix in ("-even", "-eager", "-late", "-pointwise", "-keep", "-after"):
+        for suffix in ("-even", "-eager", "-late", "-pointwise", "-keep", "-after", "-plainorder"):
             name = name.removesuffix(suffix)
         hints = {} if name == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
                                             num_microbatches=MICROBATCHES, schedule=name)
@@ -177,7 +180,13 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         if s.endswith("-keep"):
             hints["recompute"] = False
         os.environ["REPLICA_P2P"] = "eager" if s.endswith("-eager") else "ordered"  # read when the pipeline is built
-        pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
+        graded_order = pipeline_model.graded_order
+        if s.endswith("-plainorder"):  # the pipeline's switch, for this build only
+            pipeline_model.graded_order = lambda *args: None
+        try:
+            pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
+        finally:
+            pipeline_model.graded_order = graded_order
         if s.endswith("-late"):
             pms[s].runtime.early = set()  # the runtime's switch: no backward sends before its W part
         reducer = pms[s].runtime.reducer
@@ -208,7 +217,7 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
             seconds, pages = timed(modes[name], steps)
             times[name].append(seconds)
             faulted[name].append(pages)
-    summaries = {s: pm.plan.summary() for s, pm in pms.items()}
+    summaries = {s: pm.plan.summary() + "\n" + format_grid(pm.schedule, pm.plan.num_stages) for s, pm in pms.items()}
     replicas = {f"replica-{s}": pm.data_parallel_size for s, pm in pms.items()}  # each replica feeds a batch
     return {"times": times, "summaries": summaries, "replicas": replicas,
             "faults": {k: statistics.median(v) for k, v in faulted.items()}}
@@ -273,6 +282,7 @@ def main() -> None:
                         "'<name>-late': input gradients sent after the weight gradients; '<name>-pointwise': GELU outputs "
                         "rebuilt in backward; '<name>-keep': every activation kept (recompute=False, no rebuilds); "
                         "'<name>-after': data-parallel all-reduces after the backward; "
+                        "'<name>-plainorder': 1F1B's own order over graded micro-batches; "
                         "'<name>-m<N>': N micro-batches, e.g. 'auto-m1')")
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
