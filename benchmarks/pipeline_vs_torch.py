@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import replica  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig, loss_fn  # noqa: E402
-from replica import pipeline_model  # noqa: E402
+from replica import api, pipeline_model  # noqa: E402
 from replica.launch import run_local  # noqa: E402
 from replica.pipeline.schedule import format_grid  # noqa: E402
 
@@ -181,12 +181,12 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
             hints["recompute"] = False
         os.environ["REPLICA_P2P"] = "eager" if s.endswith("-eager") else "ordered"  # read when the pipeline is built
         graded_order = pipeline_model.graded_order
-        if s.endswith("-plainorder"):  # the pipeline's switch, for this build only
-            pipeline_model.graded_order = lambda *args: None
+        if s.endswith("-plainorder"):  # the switch, for this build only: the grader's and the pipeline's
+            pipeline_model.graded_order = api.graded_order = lambda *args: None
         try:
             pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
         finally:
-            pipeline_model.graded_order = graded_order
+            pipeline_model.graded_order = api.graded_order = graded_order
         if s.endswith("-late"):
             pms[s].runtime.early = set()  # the runtime's switch: no backward sends before its W part
         reducer = pms[s].runtime.reducer

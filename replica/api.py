@@ -17,19 +17,20 @@ from replica.partition.plan import Plan
 from replica.partition.profile import profile
 from replica.partition.trace import Traced, trace
 from replica.pipeline import microbatch
-from replica.pipeline.grading import grade
+from replica.pipeline.grading import Order, grade
 from replica.pipeline.remat import REBUILT_OPS
 from replica.pipeline.schedule import (
     INTERLEAVED,
     SCHEDULES,
     V_SHAPED,
+    Schedule,
     make_schedule,
     max_in_flight,
     placement,
     splits_backward,
     stages_per_rank,
 )
-from replica.pipeline.simulate import simulate, stage_costs_from_plan
+from replica.pipeline.simulate import StageCosts, simulate, stage_costs_from_plan
 from replica.pipeline_model import LossFn, PipelineModel, _distributed, graded_order, plan_schedule
 from replica.tuner import SCHEDULE_CHOICES, TIE, tune
 
@@ -269,6 +270,26 @@ class _Planner:
         return dataclasses.replace(best, rebuilds=tuple(sorted(taken)),
                                    predicted_step_time_s=plan.predicted_step_time_s + step_time(best) - base)
 
+    @staticmethod
+    def _graded_order_of(plan: Plan, schedule: Schedule, costs: list[StageCosts],
+                         device: DeviceSpec) -> Order | None:
+        """For a 1F1B plan whose order may follow its sizes (:func:`graded_order`), what the
+        grader simulates each trial under: the order those sizes get, with its costs."""
+        if plan.schedule.lower() != "1f1b" or not plan.early_input_grads or plan.num_stages < 2:
+            return None
+        m, split_costs = plan.num_microbatches, []
+
+        def order(relative: Sequence[float]) -> tuple[Schedule, list[StageCosts]]:
+            trial = dataclasses.replace(plan, microbatch_shares=tuple(r / m for r in relative))
+            ordered = graded_order(trial, plan.pipeline_ranks or None, schedule)
+            if ordered is None:
+                return schedule, costs
+            if not split_costs:  # the same for every graded order: B and W apart
+                split_costs.extend(stage_costs_from_plan(plan, ordered, device=device))
+            return ordered, split_costs
+
+        return order
+
     def graded_plan(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:
         """``plan`` with graded micro-batch shares when the simulator says they beat even ones
         (its predicted step shortened by what they save, and by what 1F1B's order for graded
@@ -281,7 +302,8 @@ class _Planner:
         device = device_spec(self.devices[0]) if self.devices else self.spec
         costs = stage_costs_from_plan(plan, schedule, device=device)
         batch = max(m, round(self.batch * batch_fraction))
-        sizes, step, even = grade(schedule, costs, batch, m, memory_limit=self.budget_per_device())
+        sizes, step, even = grade(schedule, costs, batch, m, memory_limit=self.budget_per_device(),
+                                  order=self._graded_order_of(plan, schedule, costs, device))
         if len(set(sizes)) == 1:
             return plan
         relative = [s * m / batch for s in sizes]

@@ -162,3 +162,30 @@ def test_the_graded_order_gives_exact_gradients():
     want = dict(ref.named_parameters())
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n].grad, msg=lambda msg: f"{n}: {msg}")
+
+
+def test_the_grader_prices_each_trial_under_the_order_its_sizes_get():
+    model, inputs, _, _ = models.tiny_gpt(32, num_layers=4, size_ops=True)
+    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=8, schedule="1f1b", device=COMPUTE_BOUND)
+    schedule = plan_schedule(plan, 2)
+    assert weight_actions(schedule) == 16  # the sizes found are ones the graded order runs faster
+    sizes = [x * 8 for x in plan.microbatch_shares]
+    assert sizes[-1] < sizes[-2] < max(sizes)  # small last micro-batches: their W's fill the drain
+    even = dataclasses.replace(plan, microbatch_shares=())
+    plain = make_schedule("1f1b", 2, 8)
+    graded = simulate(schedule, stage_costs_from_plan(plan, schedule, device=COMPUTE_BOUND), sizes=sizes)
+    one_f_one_b = simulate(plain, stage_costs_from_plan(even, plain, device=COMPUTE_BOUND), sizes=sizes)
+    assert graded.step_time_s < one_f_one_b.step_time_s
+
+
+def test_an_order_callback_is_simulated_per_trial():
+    calls = []
+    plain = make_schedule("1f1b", 2, 4)
+
+    def order(relative):
+        calls.append(tuple(relative))
+        return plain, costs(2)
+
+    sizes, step, even = grade(plain, costs(2), 16, 4, order=order)
+    assert calls and all(sum(c) == pytest.approx(4) for c in calls)
+    assert sum(sizes) == 16 and step <= even
