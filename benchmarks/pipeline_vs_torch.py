@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import replica  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig, loss_fn  # noqa: E402
-from replica import api, pipeline_model  # noqa: E402
 from replica.launch import run_local  # noqa: E402
 from replica.pipeline.schedule import format_grid  # noqa: E402
 
@@ -162,12 +161,11 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         # "-pointwise": GELU outputs rebuilt in backward (recompute="pointwise");
         # "-keep": every activation kept (recompute=False: not even the planner's free rebuilds);
         # "-after": data-parallel all-reduces started after the backward, not during it
-        # "-plainorder": 1F1B's own order even over graded micro-batches (no graded_one_f_one_b)
         name = s
         mbs = None  # "-m<N>": N micro-batches (for "auto", the tuner's choice otherwise)
         if "-m" in name and name.rsplit("-m", 1)[1].isdigit():
             name, mbs = name.rsplit("-m", 1)
-        for suffix in ("-even", "-eager", "-late", "-pointwise", "-keep", "-after", "-plainorder"):
+        for suffix in ("-even", "-eager", "-late", "-pointwise", "-keep", "-after"):
             name = name.removesuffix(suffix)
         hints = {} if name == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
                                             num_microbatches=MICROBATCHES, schedule=name)
@@ -180,13 +178,7 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         if s.endswith("-keep"):
             hints["recompute"] = False
         os.environ["REPLICA_P2P"] = "eager" if s.endswith("-eager") else "ordered"  # read when the pipeline is built
-        graded_order = pipeline_model.graded_order
-        if s.endswith("-plainorder"):  # the switch, for this build only: the grader's and the pipeline's
-            pipeline_model.graded_order = api.graded_order = lambda *args: None
-        try:
-            pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
-        finally:
-            pipeline_model.graded_order = api.graded_order = graded_order
+        pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
         if s.endswith("-late"):
             pms[s].runtime.early = set()  # the runtime's switch: no backward sends before its W part
         reducer = pms[s].runtime.reducer
@@ -282,7 +274,6 @@ def main() -> None:
                         "'<name>-late': input gradients sent after the weight gradients; '<name>-pointwise': GELU outputs "
                         "rebuilt in backward; '<name>-keep': every activation kept (recompute=False, no rebuilds); "
                         "'<name>-after': data-parallel all-reduces after the backward; "
-                        "'<name>-plainorder': 1F1B's own order over graded micro-batches; "
                         "'<name>-m<N>': N micro-batches, e.g. 'auto-m1')")
     parser.add_argument("--torch-schedules", default="1f1b", help="torch's: 1f1b, gpipe, zbv")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])

@@ -17,21 +17,20 @@ from replica.partition.plan import Plan
 from replica.partition.profile import profile
 from replica.partition.trace import Traced, trace
 from replica.pipeline import microbatch
-from replica.pipeline.grading import Order, grade
+from replica.pipeline.grading import grade
 from replica.pipeline.remat import REBUILT_OPS
 from replica.pipeline.schedule import (
     INTERLEAVED,
     SCHEDULES,
     V_SHAPED,
-    Schedule,
     make_schedule,
     max_in_flight,
     placement,
     splits_backward,
     stages_per_rank,
 )
-from replica.pipeline.simulate import StageCosts, simulate, stage_costs_from_plan
-from replica.pipeline_model import LossFn, PipelineModel, _distributed, graded_order, plan_schedule
+from replica.pipeline.simulate import simulate, stage_costs_from_plan
+from replica.pipeline_model import LossFn, PipelineModel, _distributed, plan_schedule
 from replica.tuner import SCHEDULE_CHOICES, TIE, tune
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
@@ -270,31 +269,9 @@ class _Planner:
         return dataclasses.replace(best, rebuilds=tuple(sorted(taken)),
                                    predicted_step_time_s=plan.predicted_step_time_s + step_time(best) - base)
 
-    @staticmethod
-    def _graded_order_of(plan: Plan, schedule: Schedule, costs: list[StageCosts],
-                         device: DeviceSpec) -> Order | None:
-        """For a 1F1B plan whose order may follow its sizes (:func:`graded_order`), what the
-        grader simulates each trial under: the order those sizes get, with its costs."""
-        if plan.schedule.lower() != "1f1b" or not plan.early_input_grads or plan.num_stages < 2:
-            return None
-        m, split_costs = plan.num_microbatches, []
-
-        def order(relative: Sequence[float]) -> tuple[Schedule, list[StageCosts]]:
-            trial = dataclasses.replace(plan, microbatch_shares=tuple(r / m for r in relative))
-            ordered = graded_order(trial, plan.pipeline_ranks or None, schedule)
-            if ordered is None:
-                return schedule, costs
-            if not split_costs:  # the same for every graded order: B and W apart
-                split_costs.extend(stage_costs_from_plan(plan, ordered, device=device))
-            return ordered, split_costs
-
-        return order
-
     def graded_plan(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:
         """``plan`` with graded micro-batch shares when the simulator says they beat even ones
-        (its predicted step shortened by what they save, and by what 1F1B's order for graded
-        sizes saves where it is taken: :func:`~replica.pipeline_model.plan_schedule`), else
-        ``plan`` itself."""
+        (its predicted step shortened by what they save), else ``plan`` itself."""
         m = plan.num_microbatches
         if plan.num_stages == 1 or m < 2:
             return plan
@@ -302,18 +279,14 @@ class _Planner:
         device = device_spec(self.devices[0]) if self.devices else self.spec
         costs = stage_costs_from_plan(plan, schedule, device=device)
         batch = max(m, round(self.batch * batch_fraction))
-        sizes, step, even = grade(schedule, costs, batch, m, memory_limit=self.budget_per_device(),
-                                  order=self._graded_order_of(plan, schedule, costs, device))
+        sizes, step, even = grade(schedule, costs, batch, m, memory_limit=self.budget_per_device())
         if len(set(sizes)) == 1:
             return plan
-        relative = [s * m / batch for s in sizes]
-        graded = dataclasses.replace(plan, microbatch_shares=tuple(s / batch for s in sizes))
-        ordered = graded_order(graded, plan.pipeline_ranks or None, schedule) or schedule
-        timeline = simulate(ordered, stage_costs_from_plan(graded, ordered, device=device), sizes=relative)
-        if ordered != schedule:  # the order graded sizes allow: priced against 1F1B's own
-            step -= simulate(schedule, costs, sizes=relative).step_time_s - timeline.step_time_s
-        return dataclasses.replace(graded, simulated_bubble=timeline.bubble_fraction,
-                                   predicted_step_time_s=max(0.0, plan.predicted_step_time_s - (even - step)))
+        timeline = simulate(schedule, costs, sizes=[s * m / batch for s in sizes])
+        return dataclasses.replace(
+            plan, microbatch_shares=tuple(s / batch for s in sizes), simulated_bubble=timeline.bubble_fraction,
+            predicted_step_time_s=max(0.0, plan.predicted_step_time_s - (even - step)),
+        )
 
 
 def _wants_tuning(num_stages: int | None, num_microbatches: int | None, schedule: str | None) -> bool:

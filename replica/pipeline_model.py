@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from replica.errors import ConfigError, PipelineError
-from replica.partition.cost import DeviceSpec
 from replica.partition.modes import following, frozen_mode_ops
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule, split
@@ -18,51 +17,19 @@ from replica.pipeline.distributed import DistributedRuntime, Topology
 from replica.pipeline.heap import keep_freed_memory
 from replica.pipeline.local import LocalRuntime, LossFn
 from replica.pipeline.remat import rebuildable_norms
-from replica.pipeline.schedule import (Schedule, durations_of, graded_one_f_one_b, make_schedule, splits_backward,
-                                      stage_scale_of)
+from replica.pipeline.schedule import Schedule, durations_of, make_schedule, splits_backward, stage_scale_of
 from replica.pipeline.shapes import ShapeOracle
-from replica.pipeline.simulate import simulate, stage_costs_from_plan
 from replica.pipeline.weightgrad import defer_linear_weight_grads
 
-__all__ = ["PipelineModel", "plan_schedule", "graded_order", "ORDER_GAIN"]
-
-ORDER_GAIN = 0.002  # a simulated gain smaller than this keeps 1F1B's own order
+__all__ = ["PipelineModel", "plan_schedule"]
 
 
 def plan_schedule(plan: Plan, num_ranks: int | None, *, check: bool = True) -> Schedule:
-    """The action lists of ``plan``, ordered by its own stage times (and, for 1F1B over
-    graded micro-batches, their sizes): the planner and every rank derive the same ones
-    from the same plan."""
+    """The action lists of ``plan``, ordered by its own stage times: the planner and every
+    rank derive the same ones from the same plan."""
     forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
-    schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks, check=check,
-                             durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))
-    return graded_order(plan, num_ranks, schedule) or schedule
-
-
-# The simulator compares orders without the links: every rank must make the same choice,
-# and a link's measured speed may differ between ranks
-_NO_LINK = DeviceSpec(name="orders compared without links", flops=1.0, half_flops=1.0, memory_bandwidth=1.0,
-                      memory_bytes=1.0, link_bandwidth=1e30, link_latency_s=0.0)
-
-
-def graded_order(plan: Plan, num_ranks: int | None, one_f_one_b: Schedule) -> Schedule | None:
-    """For 1F1B over graded micro-batches (``one_f_one_b``: the plan's 1F1B action lists),
-    :func:`graded_one_f_one_b`'s order where the simulator finds it faster (by
-    ``ORDER_GAIN``) with no rank's peak memory above 1F1B's; None keeps 1F1B's (and answers
-    every other schedule). It needs the input gradients sent before the weight gradients
-    (``plan.early_input_grads``): a deferred W holds what a backward sending first holds."""
-    shares = plan.microbatch_shares
-    if (plan.schedule.lower() != "1f1b" or num_ranks not in (None, plan.num_stages) or plan.num_stages < 2
-            or not plan.early_input_grads or len(set(shares)) < 2):
-        return None
-    sizes = [x * plan.num_microbatches for x in shares]
-    durations = durations_of([s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages])
-    graded = graded_one_f_one_b(plan.num_stages, sizes, durations=durations)
-    timelines = [simulate(s, stage_costs_from_plan(plan, s, device=_NO_LINK), sizes=sizes)
-                 for s in (one_f_one_b, graded)]
-    plain, better = timelines
-    fits = all(b <= a for a, b in zip(plain.peak_memory_bytes, better.peak_memory_bytes))
-    return graded if fits and better.step_time_s < plain.step_time_s * (1 - ORDER_GAIN) else None
+    return make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks, check=check,
+                         durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))
 
 
 def _distributed() -> bool:

@@ -12,9 +12,8 @@ import replica
 from replica.partition.plan import Plan
 from replica.pipeline import grading, microbatch
 from replica.pipeline.grading import grade
-from replica.pipeline.schedule import WEIGHT, format_grid, make_schedule
-from replica.pipeline.simulate import StageCosts, simulate, stage_costs_from_plan
-from replica.pipeline_model import plan_schedule
+from replica.pipeline.schedule import make_schedule
+from replica.pipeline.simulate import StageCosts, simulate
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 
@@ -117,75 +116,3 @@ def test_planner_grades_one_f_one_b_and_can_be_told_not_to():
     assert len(graded.microbatch_shares) == 8 and sum(graded.microbatch_shares) == pytest.approx(1.0)
     assert graded.predicted_step_time_s < even.predicted_step_time_s
     assert "graded micro-batches" in graded.summary() and "graded" not in even.summary()
-
-
-def graded_plan(shares: tuple[int, ...], **kwargs):
-    model, inputs, target, loss_fn = models.tiny_gpt(16, num_layers=4, size_ops=True)
-    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=len(shares), schedule="1f1b",
-                        device=COMPUTE_BOUND, **kwargs)
-    return model, inputs, target, loss_fn, dataclasses.replace(plan, microbatch_shares=tuple(s / 16 for s in shares))
-
-
-def weight_actions(schedule) -> int:
-    return sum(a.kind == WEIGHT for actions in schedule for a in actions)
-
-
-def test_one_f_one_b_over_small_last_microbatches_defers_their_weight_gradients():
-    _, _, _, _, plan = graded_plan((1, 3, 4, 4, 2, 2))
-    schedule = plan_schedule(plan, 2)
-    # the first rank runs its last two forwards back to back; the second keeps W4, W5 for the drain
-    assert format_grid(schedule, 2).splitlines()[1].endswith("1F4 1B4 1F5 1B5 1W4 1W5")
-    sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]
-    plain = make_schedule("1f1b", 2, plan.num_microbatches)
-    faster, slower = (simulate(s, stage_costs_from_plan(plan, s, device=COMPUTE_BOUND), sizes=sizes)
-                      for s in (schedule, plain))
-    assert faster.step_time_s < slower.step_time_s
-    assert all(a <= b for a, b in zip(faster.peak_memory_bytes, slower.peak_memory_bytes))
-
-
-def test_one_f_one_b_keeps_its_order_where_grading_gains_nothing_from_it():
-    _, _, _, _, plan = graded_plan((1, 3, 4, 4, 3, 1))
-    assert plan_schedule(plan, 2) == make_schedule("1f1b", 2, 6)
-    assert plan_schedule(dataclasses.replace(plan, microbatch_shares=()), 2) == make_schedule("1f1b", 2, 6)
-    # the order needs input gradients sent first: a deferred W holds what such a backward holds
-    assert plan_schedule(dataclasses.replace(plan, early_input_grads=False), 2) == make_schedule("1f1b", 2, 6)
-
-
-def test_the_graded_order_gives_exact_gradients():
-    model, inputs, target, loss_fn, plan = graded_plan((1, 3, 4, 4, 2, 2))
-    ref = copy.deepcopy(model)
-    ref_loss = loss_fn(ref(*inputs), target)
-    ref_loss.backward()
-    pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, plan=plan)
-    assert weight_actions(pm.schedule) == 12
-    torch.testing.assert_close(pm.train_step(inputs, target), ref_loss.detach())
-    want = dict(ref.named_parameters())
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[n].grad, msg=lambda msg: f"{n}: {msg}")
-
-
-def test_the_grader_prices_each_trial_under_the_order_its_sizes_get():
-    model, inputs, _, _ = models.tiny_gpt(32, num_layers=4, size_ops=True)
-    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=8, schedule="1f1b", device=COMPUTE_BOUND)
-    schedule = plan_schedule(plan, 2)
-    assert weight_actions(schedule) == 16  # the sizes found are ones the graded order runs faster
-    sizes = [x * 8 for x in plan.microbatch_shares]
-    assert sizes[-1] < sizes[-2] < max(sizes)  # small last micro-batches: their W's fill the drain
-    even = dataclasses.replace(plan, microbatch_shares=())
-    plain = make_schedule("1f1b", 2, 8)
-    graded = simulate(schedule, stage_costs_from_plan(plan, schedule, device=COMPUTE_BOUND), sizes=sizes)
-    one_f_one_b = simulate(plain, stage_costs_from_plan(even, plain, device=COMPUTE_BOUND), sizes=sizes)
-    assert graded.step_time_s < one_f_one_b.step_time_s
-
-
-def test_an_order_callback_is_simulated_per_trial():
-    calls = []
-    plain = make_schedule("1f1b", 2, 4)
-
-    def order(relative):
-        calls.append(tuple(relative))
-        return plain, costs(2)
-
-    sizes, step, even = grade(plain, costs(2), 16, 4, order=order)
-    assert calls and all(sum(c) == pytest.approx(4) for c in calls)
-    assert sum(sizes) == 16 and step <= even

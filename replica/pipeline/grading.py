@@ -13,16 +13,13 @@ Gradients stay exact: each micro-batch's loss is weighted by its share of the ba
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 from replica.pipeline import microbatch
 from replica.pipeline.schedule import Action
 from replica.pipeline.simulate import StageCosts, simulate
 
-__all__ = ["grade", "Order"]
-
-# relative micro-batch sizes -> the action lists a pipeline runs at those sizes, and their costs
-Order = Callable[[Sequence[float]], tuple[Sequence[Sequence[Action]], Sequence[StageCosts]]]
+__all__ = ["grade"]
 
 MAX_GROWTH = 1.25  # the largest micro-batch holds at most this many times the even size (memory)
 MIN_SHRINK = 0.5  # the smallest at least this share of it: per-call costs the profile underrates
@@ -34,14 +31,10 @@ MAX_WORK = 300_000  # simulated actions in all: big schedules try fewer sizes (a
 
 
 def grade(schedule: Sequence[Sequence[Action]], costs: Sequence[StageCosts], batch: int,
-          num_microbatches: int, memory_limit: float = float("inf"), *,
-          order: Order | None = None) -> tuple[tuple[int, ...], float, float]:
+          num_microbatches: int, memory_limit: float = float("inf")) -> tuple[tuple[int, ...], float, float]:
     """Micro-batch sizes (samples, summing to ``batch``) that minimise the simulated step of
     ``schedule`` with ``costs`` (per even micro-batch, fixed parts included). Returns
     ``(sizes, step_s, even_step_s)``; the sizes are even unless grading gains ``MIN_GAIN``.
-    Where the action lists depend on the sizes (1F1B's graded order), ``order`` maps the
-    relative sizes of a trial to the lists and costs the pipeline would run, and each
-    trial is simulated under its own (each then counts three times against the budget).
 
     Larger middle micro-batches hold more activations: no rank's simulated peak may pass
     ``memory_limit`` (bytes per device). The search starts from even sizes and from seeds
@@ -55,9 +48,7 @@ def grade(schedule: Sequence[Sequence[Action]], costs: Sequence[StageCosts], bat
     def step(sizes: Sequence[int]) -> float:
         """The simulated step; infinite where a rank's simulated peak memory (its stages'
         weights, gradients, optimizer state and live activations) passes ``memory_limit``."""
-        relative = [s * m / batch for s in sizes]
-        actions, priced = order(relative) if order is not None else (schedule, costs)
-        timeline = simulate(actions, priced, sizes=relative)
+        timeline = simulate(schedule, costs, sizes=[s * m / batch for s in sizes])
         if max(timeline.peak_memory_bytes, default=0) > memory_limit:
             return float("inf")
         return timeline.step_time_s
@@ -73,7 +64,7 @@ def grade(schedule: Sequence[Sequence[Action]], costs: Sequence[StageCosts], bat
         ends = {0, 1, m - 2, m - 1}
         moves = sorted({(i, j) for i in range(m) for j in range(m)
                         if i != j and (abs(i - j) == 1 or i in ends or j in ends)})
-    budget = [min(MAX_SIMULATIONS, MAX_WORK // sum(len(a) for a in schedule)) // (1 if order is None else 3)]
+    budget = [min(MAX_SIMULATIONS, MAX_WORK // sum(len(a) for a in schedule))]
 
     def improve(sizes: list[int], t_sizes: float) -> tuple[list[int], float]:
         delta = max(1, batch // (4 * m))

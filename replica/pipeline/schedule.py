@@ -276,6 +276,9 @@ def graded_one_f_one_b(
 
         rank 0: 0F0 0F1 ... 0B0 0W0 0F2 0B1 0W1 0F3 0F4 0B2 0W2 0B3 0W3 0B4 0W4
         rank 1: ... 1F0 1B0 1W0 1F1 1B1 1W1 1F2 1B2 1W2 1F3 1B3 1F4 1B4 1W3 1W4
+
+    The planner does not take it: the simulator put it ahead, but on the CPU benchmark it
+    ran 1.5-5% behind 1F1B's own order in two runs (benchmarks/RESULTS.md, commit 5d5461e).
     """
     m = len(sizes)
     _check(num_stages, m)

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 from replica.errors import ConfigError
 from replica.partition.plan import Plan
-from replica.pipeline.schedule import FORWARD, Action, placement
+from replica.pipeline.schedule import FORWARD, Action, make_schedule, placement
 from replica.pipeline.simulate import Timeline, simulate, stage_costs_from_plan
 
 __all__ = ["StageTimes", "Figures", "figures", "stage_colour", "KIND_COLOURS", "MEMORY_COLOURS",
@@ -97,10 +97,8 @@ def figures(
     give it when the plan was made for a device that is not a preset.
     """
     plan, schedule = _unwrap(plan_or_pipeline)
-    if schedule is None:  # the order a PipelineModel of this plan would run
-        from replica.pipeline_model import plan_schedule  # imports torch; only here
-
-        schedule = plan_schedule(plan, None)
+    if schedule is None:
+        schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
     spec = _spec(device) if device is not None else None
     if spec is None:
         from replica.partition.cost import PRESETS

@@ -19,10 +19,7 @@ pytestmark = pytest.mark.distributed
 
 def job(rank: int, world: int) -> bytes:
     checked = []
-    # (1, 3, 4, 4, 2, 2): small enough last micro-batches that 1F1B takes the graded order, the
-    # second rank's last weight gradients deferred into the drain (tests/test_grading.py)
-    for schedule, stages, shares in [("1f1b", 2, (1, 3, 4, 4, 3, 1)), ("1f1b", 2, (1, 3, 4, 4, 2, 2)),
-                                     ("zb-v", 4, (3, 4, 4, 2, 2, 1))]:
+    for schedule, stages, shares in [("1f1b", 2, (1, 3, 4, 4, 3, 1)), ("zb-v", 4, (3, 4, 4, 2, 2, 1))]:
         torch.manual_seed(0)  # every rank builds the same model
         model, inputs, target, loss_fn = models.tiny_gpt(16, num_layers=4, size_ops=True)
         ref = copy.deepcopy(model)
@@ -38,15 +35,13 @@ def job(rank: int, world: int) -> bytes:
             torch.testing.assert_close(p.grad, want[name].grad, msg=lambda m: f"{schedule} {name}: {m}")
         with torch.no_grad():
             torch.testing.assert_close(pm(*inputs), ref(*inputs))
-        deferred = sum(a.kind == "W" for a in pm.runtime.actions)
-        checked.append((schedule, sorted(n for n, _ in pm.named_parameters()), deferred))
+        checked.append((schedule, sorted(n for n, _ in pm.named_parameters())))
     return pickle.dumps(checked)
 
 
 def test_graded_microbatches_on_two_ranks():
     held = [pickle.loads(r) for r in run_local(job, 2, timeout_s=90)]
-    assert [w for _, _, w in held[1]][:2] == [0, 6]  # the graded order ran on the second 1F1B plan
-    for (schedule, names0, _), (_, names1, _) in zip(*held):
+    for (schedule, names0), (_, names1) in zip(*held):
         assert names0 != names1, schedule
         # looped: the tied embedding/head on both ranks; V: the first and last stage share rank 0
         assert "transformer.wte.weight" in names0
