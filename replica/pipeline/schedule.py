@@ -12,12 +12,12 @@ from __future__ import annotations
 import collections
 import heapq
 import re
-from typing import Callable, Collection, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from replica.errors import ScheduleError
 
 __all__ = [
-    "Action", "Schedule", "gpipe", "one_f_one_b", "graded_one_f_one_b", "interleaved_one_f_one_b", "zero_bubble_h1",
+    "Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zero_bubble_h1",
     "zero_bubble_v", "zero_bubble_interleaved", "list_schedule", "SCHEDULES", "INTERLEAVED", "V_SHAPED", "make_schedule",
     "stages_per_rank", "splits_backward", "fused_weight_grads", "max_in_flight", "WEIGHT_SHARE", "durations_of",
     "validate", "placement", "execution_order", "format_grid",
@@ -144,30 +144,25 @@ def list_schedule(
     num_microbatches: int,
     *,
     split_backward: bool,
-    admit: Sequence[float],
+    admit: Sequence[int],
     durations: tuple[float, float, float] = (1.0, 1.0, 1.0),
-    sizes: Sequence[float] = (),
-    fused: Collection[int] = (),
 ) -> Schedule:
     """Greedy list scheduling: whenever a rank is free it runs a ready B (it unblocks the
     ranks upstream), else the F of its deepest stage that is ready (entering a new
-    micro-batch into its first stage only while the micro-batches holding activations
-    there stay within ``admit[rank]``), else a deferred W (which also frees activations);
-    with nothing ready it waits for the next action anywhere to finish. ``durations`` are
-    the relative times of F, B and W (unit ticks by default); ``sizes[i]`` scales micro-batch
-    i's times and counts for it in ``admit`` (default 1 each: ``admit`` counts micro-batches).
-    A stage in ``fused`` runs each W right after its B. ``stage_ranks[s]`` places stage s.
-    Pure and deterministic.
+    micro-batch into its first stage only while fewer than ``admit[rank]`` micro-batches
+    hold activations there), else a deferred W (which also frees activations); with
+    nothing ready it waits for the next action anywhere to finish. ``durations`` are the
+    relative times of F, B and W (unit ticks by default). ``stage_ranks[s]`` places stage
+    s. Pure and deterministic.
     """
     num_stages = len(stage_ranks)
     num_ranks = max(stage_ranks) + 1
-    size = list(sizes) if sizes else [1.0] * num_microbatches
     length = {FORWARD: durations[0], BACKWARD: durations[1], WEIGHT: durations[2]}
     mine = [[s for s in range(num_stages) if stage_ranks[s] == r] for r in range(num_ranks)]
     deepest_first = [sorted(stages, reverse=True) for stages in mine]
     forwarded: dict[tuple[int, int], float] = {}  # (stage, micro-batch) -> when its F ends
     next_f = [0] * num_stages
-    held = [0.0] * num_ranks  # sizes of the micro-batches with activations alive on the rank's first stage
+    held = [0] * num_ranks  # micro-batches with activations alive on the rank's first stage
     ready_b: list[list[tuple[float, int, int]]] = [[] for _ in range(num_ranks)]  # (ready at, i, -s)
     pending_w: list[collections.deque[tuple[float, Action]]] = [collections.deque() for _ in range(num_ranks)]
     schedule: Schedule = [[] for _ in range(num_ranks)]
@@ -185,12 +180,12 @@ def list_schedule(
         elif kind == BACKWARD:
             if s > 0:
                 heapq.heappush(ready_b[stage_ranks[s - 1]], (end, i, -(s - 1)))
-            if split_backward and s not in fused:
+            if split_backward:
                 pending_w[r].append((end, Action(s, WEIGHT, i)))
             elif s == mine[r][0]:
-                held[r] -= size[i]
-        elif s == mine[r][0] and s not in fused:
-            held[r] -= size[i]
+                held[r] -= 1
+        elif s == mine[r][0]:
+            held[r] -= 1
 
     while remaining:
         if not free_ranks:  # every free rank waits: jump to the next action's end
@@ -219,26 +214,22 @@ def list_schedule(
                 i = next_f[s]
                 if i >= num_microbatches or (s > 0 and forwarded.get((s - 1, i), float("inf")) > now):
                     continue
-                if s == mine[r][0] and held[r] + size[i] > admit[r] + 1e-9:
+                if s == mine[r][0] and held[r] >= admit[r]:
                     continue
                 choice = Action(s, FORWARD, i)
                 next_f[s] += 1
-                held[r] += size[i] if s == mine[r][0] else 0.0
+                held[r] += s == mine[r][0]
                 break
         if choice is None and pending_w[r] and pending_w[r][0][0] <= now:
             choice = pending_w[r].popleft()[1]
         if choice is None:
             waiting.append(r)
             continue
-        end = now + length[choice.kind] * size[choice.microbatch_index]
+        end = now + length[choice.kind]
         schedule[r].append(choice)
-        remaining -= 1
-        if split_backward and choice.kind == BACKWARD and choice.stage_index in fused:  # its W at once
-            end += length[WEIGHT] * size[choice.microbatch_index]
-            schedule[r].append(Action(choice.stage_index, WEIGHT, choice.microbatch_index))
-            remaining -= 1
         heapq.heappush(running, (end, r, choice.stage_index, choice.microbatch_index, choice.kind))
         heapq.heappush(free_ranks, (end, r))
+        remaining -= 1
     return schedule
 
 
@@ -261,33 +252,6 @@ def zero_bubble_h1(
     _check(num_stages, num_microbatches)
     return list_schedule(list(range(num_stages)), num_microbatches, split_backward=True,
                          admit=[num_stages - r for r in range(num_stages)], durations=durations)
-
-
-def graded_one_f_one_b(
-    num_stages: int, sizes: Sequence[float], *, durations: tuple[float, float, float] = (1.0, 1.0, 1.0)
-) -> Schedule:
-    """1F1B for micro-batches of unequal ``sizes`` (graded, small at both ends): rank r
-    holds no more samples than 1F1B's peak there (the largest sum of ``num_stages - r``
-    consecutive micro-batches), and within that takes a ready B first, else a forward, else
-    a weight gradient (W) it deferred; the first stage runs each W inside its B. Where the
-    micro-batches are even this is 1F1B with each W right after its B. With small ones at
-    the end the first rank runs its last forwards before its waits, and a later rank keeps
-    their W's for the drain, where 1F1B idles. For 2 stages, sizes 2/5/5/3/2::
-
-        rank 0: 0F0 0F1 ... 0B0 0W0 0F2 0B1 0W1 0F3 0F4 0B2 0W2 0B3 0W3 0B4 0W4
-        rank 1: ... 1F0 1B0 1W0 1F1 1B1 1W1 1F2 1B2 1W2 1F3 1B3 1F4 1B4 1W3 1W4
-
-    The planner does not take it: the simulator put it ahead, but on the CPU benchmark it
-    ran 1.5-5% behind 1F1B's own order in two runs (benchmarks/RESULTS.md, commit 5d5461e).
-    """
-    m = len(sizes)
-    _check(num_stages, m)
-    if any(x <= 0 for x in sizes):
-        raise ScheduleError(f"micro-batch sizes must be positive, got {list(sizes)}")
-    windows = [min(m, num_stages - r) for r in range(num_stages)]
-    admit = [max(sum(sizes[i:i + w]) for i in range(m - w + 1)) for w in windows]
-    return list_schedule(list(range(num_stages)), m, split_backward=True, admit=admit, durations=durations,
-                         sizes=sizes, fused=(0,))
 
 
 def zero_bubble_v(
