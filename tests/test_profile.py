@@ -97,3 +97,40 @@ def test_the_cache_can_be_skipped(tmp_path, monkeypatch):
     model, inputs, _, _ = models.mlp(4)
     profile(trace(model, inputs).module, inputs, repeats=1, cache=False)
     assert not list(tmp_path.glob("profile-*.json"))
+
+
+def test_times_that_contradict_their_half_size_are_implausible():
+    from replica.partition.profile import NOISE_FLOOR_S, _implausible
+
+    ms = 1e-3
+    assert not _implausible(OpTimes(2 * ms, 4 * ms), OpTimes(1 * ms, 2 * ms))  # linear in the batch
+    assert not _implausible(OpTimes(1 * ms, 2 * ms), OpTimes(1 * ms, 2 * ms))  # all fixed cost
+    assert _implausible(OpTimes(6 * ms, 2 * ms), OpTimes(0.3 * ms, 1 * ms))  # the batch met noise
+    assert _implausible(OpTimes(1 * ms, 2 * ms), OpTimes(1 * ms, 5 * ms))  # half of it, in backward
+    quick = NOISE_FLOOR_S / 10
+    assert not _implausible(OpTimes(quick, quick), OpTimes(quick / 9, quick / 9))  # too quick to matter
+
+
+def test_a_cached_time_slowed_by_a_busy_machine_is_timed_again(tmp_path, monkeypatch):
+    """A profile written while the machine was busy heals: an op whose batch took far more
+    than twice its half batch is timed again, and keeps the better of the two times."""
+    import json
+
+    from replica.partition import profile as profile_module
+
+    monkeypatch.setenv("REPLICA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profile_module, "NOISE_FLOOR_S", 0.0)  # the MLP's ops are quick
+    model, inputs, _, _ = models.mlp(4)
+    traced = trace(model, inputs)
+    profile(traced.module, inputs, repeats=3)
+    (path,) = tmp_path.glob("profile-*.json")
+    good = json.loads(path.read_text())
+    slowed = {k: [t * 1000 for t in v] if "(T(4, " in k else v for k, v in good.items()}
+    assert slowed != good
+    path.write_text(json.dumps(slowed))
+    times = profile(traced.module, inputs, repeats=3)
+    healed = json.loads(path.read_text())
+    for key, value in slowed.items():
+        if value != good[key]:
+            assert all(new < old / 10 for new, old in zip(healed[key], value)), key
+    assert max(t.forward_s for t in times.values()) < max(v[0] for v in slowed.values()) / 10

@@ -64,6 +64,7 @@ class _Profiler(fx.Interpreter):
         super().__init__(gm)
         self.repeats = repeats
         self.times: dict[str, OpTimes] = {}
+        self.keys: dict[str, str] = {}  # node -> its cache key
         self.cache = cache
 
     def signature(self, n: fx.Node, args: Any, kwargs: Any) -> str:
@@ -80,7 +81,7 @@ class _Profiler(fx.Interpreter):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         call = getattr(self, n.op)
-        key = self.signature(n, args, kwargs)
+        key = self.keys[n.name] = self.signature(n, args, kwargs)
         if key in self.cache:  # timed before with these shapes on this device
             self.times[n.name] = OpTimes(*self.cache[key])
         else:
@@ -155,17 +156,38 @@ def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3, cach
     model lives on), timing each op's forward and backward as the best of ``repeats``;
     again on half of it, to tell the fixed cost of a call from the work per sample.
 
+    A busy machine can slow every repeat of an op: an op whose two sizes' times disagree
+    with any sane scaling (:func:`_implausible`) is timed again at both, up to ``RETRIES``
+    times, keeping each size's best time so far (noise only ever adds time). That holds
+    for times read from the cache too, so a bad entry written on a loaded machine heals.
+
     Gradients are computed with ``torch.autograd.grad``: nothing accumulates into ``.grad``.
     With ``cache``, times are kept per op signature (op, weights, input shapes) and device in
     ``~/.cache/replica`` (``REPLICA_CACHE_DIR``): a repeated op, or a re-plan, is not re-timed.
     """
     store = _load_cache(cache)
-    times = _times(gm, inputs, repeats, store)
     half = _halve(inputs)
+    times, keys = _times(gm, inputs, repeats, store)
     if half is None:
         _save_cache(store, cache)
         return times
-    small = _times(gm, half, repeats, store)
+    small, small_keys = _times(gm, half, repeats, store)
+    for _ in range(RETRIES):
+        suspect = [name for name, t in times.items() if name in small and _implausible(t, small[name])]
+        if not suspect:
+            break
+        kept = {}
+        for name in suspect:  # forget them, so the next pass times them afresh
+            for key in (keys[name], small_keys[name]):
+                if key in store:
+                    kept[key] = store.pop(key)
+        times, keys = _times(gm, inputs, repeats, store)
+        small, small_keys = _times(gm, half, repeats, store)
+        for key, old in kept.items():
+            new = store.get(key, old)
+            store[key] = [b if a < 0 or b < 0 else min(a, b) for a, b in zip(old, new)]
+        times, keys = _times(gm, inputs, repeats, store)  # every time now the best seen
+        small, small_keys = _times(gm, half, repeats, store)
     _save_cache(store, cache)
     # t(b) = fixed + b * slope from the two sizes b and b/2: fixed = 2 t(b/2) - t(b)
     return {
@@ -173,6 +195,20 @@ def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3, cach
                       _fixed(t.forward_s, small[name].forward_s), _fixed(t.backward_s, small[name].backward_s))
         for name, t in times.items() if name in small
     }
+
+
+RETRIES = 2
+SCALING = (0.8, 2.5)  # t(b) / t(b/2): half the work costs at most the whole, plus noise; twice
+# the work, at most twice the time plus cache effects. Outside this range one of them met noise.
+NOISE_FLOOR_S = 100e-6  # ops this quick stay as timed: their share of a step is negligible
+
+
+def _implausible(big: OpTimes, small: OpTimes) -> bool:
+    """Whether an op's times at a batch and at half of it contradict each other."""
+    for b, s in ((big.forward_s, small.forward_s), (big.backward_s, small.backward_s)):
+        if max(b, s) > NOISE_FLOOR_S and not SCALING[0] * s <= b <= SCALING[1] * s:
+            return True
+    return False
 
 
 def _fixed(big: float, small: float) -> float:
@@ -187,11 +223,14 @@ def _halve(inputs: Sequence[Any]) -> tuple[Any, ...] | None:
     return tuple(x[:n] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in inputs)
 
 
-def _times(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int, cache: dict[str, list[float]]) -> dict[str, OpTimes]:
+def _times(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int,
+           cache: dict[str, list[float]]) -> tuple[dict[str, OpTimes], dict[str, str]]:
+    """Each op's times on ``inputs``, and its cache key."""
     profiler = _Profiler(gm, repeats, cache)
     with torch.enable_grad():
         profiler.run(*inputs)
-    return {
+    times = {
         name: OpTimes(t.forward_s, t.forward_s * 2 if t.backward_s < 0 else t.backward_s)
         for name, t in profiler.times.items()
     }
+    return times, profiler.keys
