@@ -17,7 +17,7 @@ from replica.partition.plan import Plan
 from replica.partition.profile import profile
 from replica.partition.trace import Traced, trace
 from replica.pipeline import microbatch
-from replica.pipeline.grading import grade
+from replica.pipeline.grading import MIN_GAIN, grade
 from replica.pipeline.remat import REBUILT_OPS
 from replica.pipeline.schedule import (
     INTERLEAVED,
@@ -204,11 +204,15 @@ class _Planner:
     def finish(self, plan: Plan, batch_fraction: float = 1.0, graded: bool | None = None,
                rebuild: bool = True) -> Plan:
         """The chosen plan made final: micro-batches graded (unless ``graded`` is False, or
-        the planner was made without), then rebuilds where they are as good as free (unless
-        ``rebuild`` is False: ``recompute=False`` keeps every activation)."""
+        the planner was made without), then rebuilds where they are as good as free, and
+        where they pay for the graded sizes' memory (:meth:`pay_for_grading`); unless
+        ``rebuild`` is False: ``recompute=False`` keeps every activation."""
         graded = self.graded if graded is None else graded
-        plan = self.graded_plan(plan, batch_fraction) if graded else plan
-        return self.rebuilds(plan, batch_fraction) if rebuild else plan
+        shaped = self.graded_plan(plan, batch_fraction) if graded else plan
+        if not rebuild:
+            return shaped
+        freed = self.rebuilds(shaped, batch_fraction)
+        return freed if shaped is plan else self.pay_for_grading(freed, plan, batch_fraction)
 
     def rebuilds(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:
         """``plan`` with ``rebuilds``: the (stage, kind) pairs whose op outputs (GELU / SiLU,
@@ -223,44 +227,17 @@ class _Planner:
         layer's activations, each norm's a sixteenth. A taken pair adds its rebuild to the
         stage's predicted backward and takes its outputs off the stage's activations (held
         as often as the plan holds the stage's micro-batches)."""
-        if plan.recompute or plan.pointwise_recompute or plan.num_stages == 1:
-            return plan  # nothing kept to rebuild; rebuilt everywhere already; nobody waits
-        by_name = {n.name: n for n in self.traced.graph.nodes}
-        specs = [device_spec(d) for d in self.devices] if self.devices else [self.spec] * plan.num_stages
-        found: dict[tuple[int, str], tuple[float, int]] = {}  # (stage, kind) -> (seconds per step, bytes)
-        for st, sp in zip(plan.stages, specs):
-            cm = CostModel(sp, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
-                           measured_fraction=self.measured_fraction)
-            for name in st.node_names:
-                n = by_name[name]
-                kind = REBUILT_OPS.get(n.target)
-                if kind is not None and saves_activation(n):
-                    seconds, nbytes = found.get((st.stage_index, kind), (0.0, 0))
-                    found[(st.stage_index, kind)] = (seconds + cm.forward_time(n, plan.num_microbatches),
-                                                     nbytes + int(cm.scaled(n.output_bytes)))
+        found = self._rebuild_candidates(plan, batch_fraction)
         if not found:
-            return plan
-        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
-        sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]
-
-        def step_time(p: Plan) -> float:
-            costs = stage_costs_from_plan(p, schedule, device=specs[0])
-            return simulate(schedule, costs, sizes=sizes).step_time_s
-
+            return plan  # nothing kept to rebuild; rebuilt everywhere already; nobody waits
+        step_time = self._step_time(plan)
         base = step_time(plan)
         taken, best = [], plan
         for k, kind in sorted(found, key=lambda key: (plan.stages[key[0]].predicted_time_s,
                                                       -found[key][1] / max(found[key][0], 1e-12))):
-            seconds, nbytes = found[(k, kind)]
-            st = best.stages[k]
-            received = sum(b.nbytes for b in st.inputs)
-            held = nbytes * (st.memory.activations - received) / st.activation_bytes if st.activation_bytes else 0
-            stage = dataclasses.replace(
-                st, backward_time_s=st.backward_time_s + seconds, activation_bytes=st.activation_bytes - nbytes,
-                memory=dataclasses.replace(st.memory, activations=int(st.memory.activations - held)))
-            if stage.predicted_time_s > plan.bottleneck_s:
+            trial = self._with_rebuild(best, k, *found[(k, kind)])
+            if trial.stages[k].predicted_time_s > plan.bottleneck_s:
                 continue  # it would not fill a wait but lengthen the slowest stage
-            trial = dataclasses.replace(best, stages=tuple(stage if s.stage_index == k else s for s in best.stages))
             if step_time(trial) <= base * (1 + TIE):
                 taken.append((k, kind))
                 best = trial
@@ -268,6 +245,88 @@ class _Planner:
             return plan
         return dataclasses.replace(best, rebuilds=tuple(sorted(taken)),
                                    predicted_step_time_s=plan.predicted_step_time_s + step_time(best) - base)
+
+    def pay_for_grading(self, plan: Plan, even: Plan, batch_fraction: float = 1.0) -> Plan:
+        """``plan`` (graded, its free rebuilds taken) with rebuilds added where its graded
+        micro-batches make a rank hold more than ``even`` (the same stages with even
+        micro-batches, nothing rebuilt) would at its simulated peak, as far as the grading's
+        time gain pays for them: the step stays at least ``MIN_GAIN`` shorter than even's.
+
+        The larger middle micro-batches raise the peak of a rank that holds several at once
+        (the first of 1F1B holds two on two ranks: 5 + 5 samples of 32 instead of 4 + 4).
+        Such a rank rebuilds, most bytes per second first, on its stages but the plan's
+        slowest (see :meth:`rebuilds`), even where that makes the stage a little slower than
+        a free rebuild may. A rank that runs out of candidates keeps the rest of its peak."""
+        found = self._rebuild_candidates(plan, batch_fraction)
+        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
+        where = placement(schedule)
+        costs = self._stage_costs(schedule)
+        sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]
+        limit = simulate(schedule, costs(even)).peak_memory_bytes
+        ceiling = simulate(schedule, costs(even)).step_time_s * (1 - MIN_GAIN)
+        start = timeline = simulate(schedule, costs(plan), sizes=sizes)
+        taken, best = list(plan.rebuilds), plan
+        over = {r for r, peak in enumerate(timeline.peak_memory_bytes) if peak > limit[r]}
+        options = [key for key in found if even.stages[key[0]].predicted_time_s < even.bottleneck_s]
+        while over:
+            options = [key for key in options if where[key[0]] in over]
+            if not options:
+                break
+            key = max(options, key=lambda key: found[key][1] / max(found[key][0], 1e-12))
+            options.remove(key)
+            trial = self._with_rebuild(best, key[0], *found[key])
+            t = simulate(schedule, costs(trial), sizes=sizes)
+            if t.step_time_s > ceiling:
+                continue  # the grading would no longer pay for itself
+            best, timeline = trial, t
+            taken.append(key)
+            over = {r for r in over if timeline.peak_memory_bytes[r] > limit[r]}
+        if best is plan:
+            return plan
+        return dataclasses.replace(best, rebuilds=tuple(sorted(taken)), predicted_step_time_s=(
+            plan.predicted_step_time_s + timeline.step_time_s - start.step_time_s))
+
+    def _rebuild_candidates(self, plan: Plan, batch_fraction: float) -> dict[tuple[int, str], tuple[float, int]]:
+        """(stage, kind) -> (seconds per step, bytes per micro-batch) of rebuilding that kind's
+        kept outputs on that stage; nothing under full or pointwise recompute, or on one stage."""
+        found: dict[tuple[int, str], tuple[float, int]] = {}
+        if plan.recompute or plan.pointwise_recompute or plan.num_stages == 1:
+            return found
+        by_name = {n.name: n for n in self.traced.graph.nodes}
+        specs = [device_spec(d) for d in self.devices] if self.devices else [self.spec] * plan.num_stages
+        for st, sp in zip(plan.stages, specs):
+            cm = CostModel(sp, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
+                           measured_fraction=self.measured_fraction)
+            for name in st.node_names:
+                n = by_name[name]
+                kind = REBUILT_OPS.get(n.target)
+                if kind is not None and saves_activation(n) and (st.stage_index, kind) not in plan.rebuilds:
+                    seconds, nbytes = found.get((st.stage_index, kind), (0.0, 0))
+                    found[(st.stage_index, kind)] = (seconds + cm.forward_time(n, plan.num_microbatches),
+                                                     nbytes + int(cm.scaled(n.output_bytes)))
+        return found
+
+    @staticmethod
+    def _with_rebuild(plan: Plan, k: int, seconds: float, nbytes: int) -> Plan:
+        """``plan`` with stage ``k`` rebuilding ``nbytes`` of outputs in ``seconds`` more backward."""
+        st = plan.stages[k]
+        received = sum(b.nbytes for b in st.inputs)
+        held = nbytes * (st.memory.activations - received) / st.activation_bytes if st.activation_bytes else 0
+        stage = dataclasses.replace(
+            st, backward_time_s=st.backward_time_s + seconds, activation_bytes=st.activation_bytes - nbytes,
+            memory=dataclasses.replace(st.memory, activations=int(st.memory.activations - held)))
+        return dataclasses.replace(plan, stages=tuple(stage if s.stage_index == k else s for s in plan.stages))
+
+    def _stage_costs(self, schedule: Sequence[Sequence[Any]]) -> Any:
+        device = device_spec(self.devices[0]) if self.devices else self.spec
+        return lambda p: stage_costs_from_plan(p, schedule, device=device)
+
+    def _step_time(self, plan: Plan) -> Any:
+        """The simulated step of a plan like ``plan`` (same schedule and micro-batch sizes)."""
+        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
+        costs = self._stage_costs(schedule)
+        sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]
+        return lambda p: simulate(schedule, costs(p), sizes=sizes).step_time_s
 
     def graded_plan(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:
         """``plan`` with graded micro-batch shares when the simulator says they beat even ones
