@@ -134,3 +134,17 @@ def test_a_cached_time_slowed_by_a_busy_machine_is_timed_again(tmp_path, monkeyp
         if value != good[key]:
             assert all(new < old / 10 for new, old in zip(healed[key], value)), key
     assert max(t.forward_s for t in times.values()) < max(v[0] for v in slowed.values()) / 10
+
+
+def test_times_that_stay_contradictory_are_settled_once():
+    """Times still contradictory after the retries are pulled into the plausible range and
+    cached so: the next profile reads them back unchanged instead of timing them again."""
+    from replica.partition.profile import SCALING, _implausible, _settle
+
+    big, small = [6e-3, 1e-3], [1e-3, 2e-3]  # the batch slow forward, its half slow backward
+    _settle(big, small)
+    assert big[0] <= SCALING[1] * small[0] and small[1] <= big[1] / SCALING[0]
+    assert not _implausible(OpTimes(*big), OpTimes(*small))
+    inplace = [-1.0, -1.0]
+    _settle(inplace, [1.0, 1.0])
+    assert inplace == [-1.0, -1.0]

@@ -158,8 +158,10 @@ def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3, cach
 
     A busy machine can slow every repeat of an op: an op whose two sizes' times disagree
     with any sane scaling (:func:`_implausible`) is timed again at both, up to ``RETRIES``
-    times, keeping each size's best time so far (noise only ever adds time). That holds
-    for times read from the cache too, so a bad entry written on a loaded machine heals.
+    times, keeping each size's best time so far (noise only ever adds time); if they still
+    disagree, the slower side is pulled down to the nearest plausible time, so the cache
+    ends consistent and a re-plan reads the same times. That holds for times read from
+    the cache too: a bad entry written on a loaded machine heals.
 
     Gradients are computed with ``torch.autograd.grad``: nothing accumulates into ``.grad``.
     With ``cache``, times are kept per op signature (op, weights, input shapes) and device in
@@ -172,20 +174,24 @@ def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3, cach
         _save_cache(store, cache)
         return times
     small, small_keys = _times(gm, half, repeats, store)
-    for _ in range(RETRIES):
+    for attempt in range(RETRIES + 1):
         suspect = [name for name, t in times.items() if name in small and _implausible(t, small[name])]
         if not suspect:
             break
-        kept = {}
-        for name in suspect:  # forget them, so the next pass times them afresh
-            for key in (keys[name], small_keys[name]):
-                if key in store:
-                    kept[key] = store.pop(key)
-        times, keys = _times(gm, inputs, repeats, store)
-        small, small_keys = _times(gm, half, repeats, store)
-        for key, old in kept.items():
-            new = store.get(key, old)
-            store[key] = [b if a < 0 or b < 0 else min(a, b) for a, b in zip(old, new)]
+        if attempt == RETRIES:  # still contradictory: pull the slower side down to the bound
+            for name in suspect:
+                _settle(store.get(keys[name]), store.get(small_keys[name]))
+        else:
+            kept = {}
+            for name in suspect:  # forget them, so the next passes time them afresh
+                for key in (keys[name], small_keys[name]):
+                    if key in store:
+                        kept[key] = store.pop(key)
+            _times(gm, inputs, repeats, store)
+            _times(gm, half, repeats, store)
+            for key, old in kept.items():
+                new = store.get(key, old)
+                store[key] = [b if a < 0 or b < 0 else min(a, b) for a, b in zip(old, new)]
         times, keys = _times(gm, inputs, repeats, store)  # every time now the best seen
         small, small_keys = _times(gm, half, repeats, store)
     _save_cache(store, cache)
@@ -201,6 +207,21 @@ RETRIES = 2
 SCALING = (0.8, 2.5)  # t(b) / t(b/2): half the work costs at most the whole, plus noise; twice
 # the work, at most twice the time plus cache effects. Outside this range one of them met noise.
 NOISE_FLOOR_S = 100e-6  # ops this quick stay as timed: their share of a step is negligible
+
+
+def _settle(big: list[float] | None, small: list[float] | None) -> None:
+    """Make a cached pair of times plausible in place: noise only adds time, so the side that
+    is too slow for the other comes down to the bound (in-place ops' -1 stays)."""
+    if big is None or small is None:
+        return
+    low, high = SCALING
+    for i, (b, s) in enumerate(zip(big, small)):
+        if b < 0 or s < 0 or max(b, s) <= NOISE_FLOOR_S:
+            continue
+        if b > high * s:
+            big[i] = high * s * (1 - 1e-9)  # just inside the bound, after rounding too
+        elif b < low * s:
+            small[i] = b / low * (1 - 1e-9)
 
 
 def _implausible(big: OpTimes, small: OpTimes) -> bool:
