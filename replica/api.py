@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from replica.pipeline.remat import REBUILT_OPS
 from replica.pipeline.schedule import (
     INTERLEAVED,
     SCHEDULES,
+    Schedule,
     V_SHAPED,
     make_schedule,
     max_in_flight,
@@ -29,7 +30,7 @@ from replica.pipeline.schedule import (
     splits_backward,
     stages_per_rank,
 )
-from replica.pipeline.simulate import simulate, stage_costs_from_plan
+from replica.pipeline.simulate import StageCosts, simulate, stage_costs_from_plan
 from replica.pipeline_model import LossFn, PipelineModel, _distributed, plan_schedule
 from replica.tuner import SCHEDULE_CHOICES, TIE, tune
 
@@ -262,8 +263,8 @@ class _Planner:
         where = placement(schedule)
         costs = self._stage_costs(schedule)
         sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]
-        limit = simulate(schedule, costs(even)).peak_memory_bytes
-        ceiling = simulate(schedule, costs(even)).step_time_s * (1 - MIN_GAIN)
+        even_timeline = simulate(schedule, costs(even))
+        limit, ceiling = even_timeline.peak_memory_bytes, even_timeline.step_time_s * (1 - MIN_GAIN)
         start = timeline = simulate(schedule, costs(plan), sizes=sizes)
         taken, best = list(plan.rebuilds), plan
         over = {r for r, peak in enumerate(timeline.peak_memory_bytes) if peak > limit[r]}
@@ -317,11 +318,12 @@ class _Planner:
             memory=dataclasses.replace(st.memory, activations=int(st.memory.activations - held)))
         return dataclasses.replace(plan, stages=tuple(stage if s.stage_index == k else s for s in plan.stages))
 
-    def _stage_costs(self, schedule: Sequence[Sequence[Any]]) -> Any:
+    def _stage_costs(self, schedule: Schedule) -> Callable[[Plan], list[StageCosts]]:
+        """A plan's per-micro-batch stage costs under ``schedule`` on this planner's device."""
         device = device_spec(self.devices[0]) if self.devices else self.spec
         return lambda p: stage_costs_from_plan(p, schedule, device=device)
 
-    def _step_time(self, plan: Plan) -> Any:
+    def _step_time(self, plan: Plan) -> Callable[[Plan], float]:
         """The simulated step of a plan like ``plan`` (same schedule and micro-batch sizes)."""
         schedule = plan_schedule(plan, plan.pipeline_ranks or None)
         costs = self._stage_costs(schedule)
