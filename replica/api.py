@@ -386,7 +386,8 @@ def plan(
     ``mixed_precision``) + in-flight activations of every stage; ``recompute`` keeps only
     stage inputs and recomputes activations in backward (None: the tuner decides, and
     stages rebuild GELU / SiLU / LayerNorm outputs in backward where the simulator finds
-    that within 1% of the step, ``Plan.rebuilds``; False: neither);
+    that within 1% of the step, or where graded micro-batches raised a rank's peak and
+    their time gain pays for it, ``Plan.rebuilds``; False: neither);
     ``recompute="pointwise"`` rebuilds them regardless of the time, on the stages
     that hold several micro-batches or send input gradients first (bitwise the same
     gradients; 3 MiB per layer per 4-sample micro-batch less on a d=256 GPT, under 1% more
@@ -394,7 +395,8 @@ def plan(
     ``tracer``: ``"fx"``, ``"export"`` (``torch.export``, for what fx cannot trace) or
     ``"auto"`` (fx, then export). ``graded_microbatches`` lets the planner make the
     micro-batches where the pipeline fills and drains smaller (and the middle ones larger)
-    when the simulator says the step gets at least 1% shorter; gradients stay exact.
+    when the simulator says the step gets at least 1% shorter (rebuilds paying for the
+    memory the larger ones add, as far as that gain allows); gradients stay exact.
     """
     _check_count("world_size", world_size)
     _check_count("num_stages", num_stages)
