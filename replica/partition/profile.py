@@ -192,8 +192,9 @@ def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3, cach
             for key, old in kept.items():
                 new = store.get(key, old)
                 store[key] = [b if a < 0 or b < 0 else min(a, b) for a, b in zip(old, new)]
-        times, keys = _times(gm, inputs, repeats, store)  # every time now the best seen
-        small, small_keys = _times(gm, half, repeats, store)
+        # every time now the best seen: read back from the store, no pass over the model
+        times = {name: _op_times(store[key]) for name, key in keys.items()}
+        small = {name: _op_times(store[key]) for name, key in small_keys.items()}
     _save_cache(store, cache)
     # t(b) = fixed + b * slope from the two sizes b and b/2: fixed = 2 t(b/2) - t(b)
     return {
@@ -250,8 +251,11 @@ def _times(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int,
     profiler = _Profiler(gm, repeats, cache)
     with torch.enable_grad():
         profiler.run(*inputs)
-    times = {
-        name: OpTimes(t.forward_s, t.forward_s * 2 if t.backward_s < 0 else t.backward_s)
-        for name, t in profiler.times.items()
-    }
-    return times, profiler.keys
+    return {name: _op_times((t.forward_s, t.backward_s)) for name, t in profiler.times.items()}, profiler.keys
+
+
+def _op_times(entry: Sequence[float]) -> OpTimes:
+    """A cached ``[forward, backward]`` as times; an in-place op's backward (-1) priced
+    like two forwards."""
+    forward, backward = entry[0], entry[1]
+    return OpTimes(forward, forward * 2 if backward < 0 else backward)
