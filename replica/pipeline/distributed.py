@@ -347,7 +347,10 @@ class DistributedRuntime:
                     losses[i] = attached[i].detach()
                 del out  # the graph stays only where its backward will let go of it
             elif action.kind == BACKWARD:
-                sink = WeightGrads() if split or early else None
+                # W inside B: weight gradients straight into .grad, unless the reducer's hooks
+                # must see autograd accumulate them (the last backward, data-parallel)
+                listening = last and self.reducer is not None
+                sink = WeightGrads() if split or early else (None if listening else WeightGrads(now=True))
                 with collecting(sink):
                     self._backward(step, action, attached.pop(i) if stage.is_last else None)
                 if early:

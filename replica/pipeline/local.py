@@ -172,7 +172,8 @@ class LocalRuntime:
                     produced[key] = out
                     values[i].update(zip(stage.output_names, out))
             elif action.kind == BACKWARD:
-                sink = deferred[key] = WeightGrads() if self.split_backward and key not in self.fused else None
+                # deferred to its W; else straight into .grad inside this backward
+                sink = deferred[key] = WeightGrads(now=not self.split_backward or key in self.fused)
                 with collecting(sink):
                     self._backward(stage, i, received.pop(key), produced.pop(key), grads[i])
                 for n in stage.output_names:

@@ -5,7 +5,9 @@ layer through :class:`_Linear`. Its backward always returns the input gradient; 
 a :class:`WeightGrads` collector is active it only records ``(x, dy)`` for the weight
 and bias instead of computing them, and :meth:`WeightGrads.apply` later accumulates
 ``dy^T x`` and ``sum(dy)`` into ``.grad`` — the same arithmetic autograd would do,
-just at another time. Other ops keep their weight gradients in B.
+just at another time. Other ops keep their weight gradients in B. A collector made with
+``now=True`` accumulates each one at once, in B, into ``.grad`` (``addmm_``: no
+temporary gradient for autograd to add).
 """
 
 from __future__ import annotations
@@ -26,34 +28,52 @@ __all__ = ["WeightGrads", "defer_linear_weight_grads", "collecting"]
 _active = threading.local()
 
 
-class WeightGrads:
-    """The deferred weight-gradient work of one (stage, micro-batch) backward."""
+Pending = tuple[torch.Tensor, torch.Tensor | None, Any, torch.Tensor, bool]
 
-    def __init__(self) -> None:
+
+class WeightGrads:
+    """The deferred weight-gradient work of one (stage, micro-batch) backward; ``now``: no
+    deferring, each linear's weight gradient accumulates into ``.grad`` in its backward,
+    without the temporary and the extra pass over memory of autograd's accumulation (a
+    backward whose W runs inside it, where no gradient hook needs to see it)."""
+
+    def __init__(self, now: bool = False) -> None:
         # (weight, bias, layer input or its recipe, output gradient, transposed)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor | None, Any, torch.Tensor, bool]] = []
+        self.pending: list[Pending] = []
+        self.now = now
 
     def __len__(self) -> int:
         return len(self.pending)
 
-    @torch.no_grad()
+    def add(self, work: Pending) -> None:
+        if self.now:
+            _apply(*work)
+        else:
+            self.pending.append(work)
+
     def apply(self) -> None:
-        """Accumulate every recorded weight and bias gradient into ``.grad`` (a weight's
-        straight into its existing gradient: no temporary, one pass less over memory).
-        Without grad mode: the saved inputs require grad, and a recorded graph would keep
-        every micro-batch's inputs and output gradients alive until ``.grad`` is reset."""
-        for weight, bias, x, dy, transposed in self.pending:
-            x = remat.materialize(x)
-            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-            if weight.requires_grad:
-                a, b = (x2.t(), dy2) if transposed else (dy2.t(), x2)
-                if weight.grad is None:
-                    weight.grad = a.mm(b)
-                else:
-                    weight.grad.addmm_(a, b)
-            if bias is not None and bias.requires_grad:
-                _accumulate(bias, dy2.sum(0))
+        """Accumulate every recorded weight and bias gradient into ``.grad``."""
+        for work in self.pending:
+            _apply(*work)
         self.pending.clear()
+
+
+@torch.no_grad()
+def _apply(weight: torch.Tensor, bias: torch.Tensor | None, x: Any, dy: torch.Tensor, transposed: bool) -> None:
+    """One linear's weight and bias gradient into ``.grad`` (a weight's straight into its
+    existing gradient: no temporary, one pass less over memory). Without grad mode: the
+    saved inputs require grad, and a recorded graph would keep every micro-batch's inputs
+    and output gradients alive until ``.grad`` is reset."""
+    x = remat.materialize(x)
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    if weight.requires_grad:
+        a, b = (x2.t(), dy2) if transposed else (dy2.t(), x2)
+        if weight.grad is None:
+            weight.grad = a.mm(b)
+        else:
+            weight.grad.addmm_(a, b)
+    if bias is not None and bias.requires_grad:
+        _accumulate(bias, dy2.sum(0))
 
 
 def _weight_grads(x: torch.Tensor, dy: torch.Tensor, transposed: bool, weight: bool,
@@ -109,7 +129,7 @@ class _Linear(torch.autograd.Function):
             dx = dy.mm(weight.t()) if transposed else dy.matmul(weight)
         sink = getattr(_active, "sink", None)
         if sink is not None:
-            sink.pending.append((weight, bias, x, dy, transposed))
+            sink.add((weight, bias, x, dy, transposed))
             return dx, None, None, None
         dw, db = _weight_grads(remat.materialize(x), dy, transposed, ctx.needs_input_grad[1],
                                bias is not None and ctx.needs_input_grad[2])
