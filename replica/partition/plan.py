@@ -106,8 +106,8 @@ class Plan:
     # of keeping them (pipeline/remat.py): less memory, about 1-2% more time; opt-in
     pointwise_recompute: bool = False
     # (stage, kind) pairs: the kinds of ops ("activation": GELU / SiLU, "norm": LayerNorm)
-    # whose outputs a stage rebuilds anyway, because the planner found it as good as free
-    # (api._Planner.rebuilds)
+    # whose outputs a stage rebuilds anyway: to pay for graded micro-batches' memory, or
+    # where the planner found it as good as free (api._Planner.finish)
     rebuilds: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:

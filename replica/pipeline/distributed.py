@@ -115,7 +115,7 @@ class DistributedRuntime:
         # stage -> the kinds of ops whose outputs it rebuilds in backward (pipeline/remat.py):
         # with plan.pointwise_recompute every kind on the stages that hold several micro-batches
         # at once and those that hold a backward's layer inputs and output gradients until the
-        # input gradients have left (early); else the plan's rebuilds, found as good as free
+        # input gradients have left (early); else the plan's rebuilds (api._Planner.finish)
         every = (holding_several(schedule, len(stages)) | self.early) if plan.pointwise_recompute else set()
         self.pointwise_recompute = {k: kinds for k, kinds in rebuild_map(every, plan.rebuilds).items()
                                     if k in self.stages}

@@ -108,7 +108,7 @@ class LocalRuntime:
         self.recompute = recompute
         # stage -> the kinds of ops whose outputs it rebuilds in backward (pipeline/remat.py):
         # with pointwise_recompute every kind on every stage that holds several micro-batches,
-        # else the plan's rebuilds (where the planner found them as good as free)
+        # else the plan's rebuilds (api._Planner.finish)
         self.pointwise_recompute = rebuild_map(holding_several(schedule, len(stages)) if pointwise_recompute
                                                else (), rebuilds)
         self.schedule = schedule
