@@ -64,10 +64,8 @@ def _apply(weight: torch.Tensor, bias: torch.Tensor | None, x: Any, dy: torch.Te
     existing gradient: no temporary, one pass less over memory). Without grad mode: the
     saved inputs require grad, and a recorded graph would keep every micro-batch's inputs
     and output gradients alive until ``.grad`` is reset."""
-    x = remat.materialize(x)
-    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    a, b, dy2 = _operands(remat.materialize(x), dy, transposed)
     if weight.requires_grad:
-        a, b = (x2.t(), dy2) if transposed else (dy2.t(), x2)
         if weight.grad is None:
             weight.grad = a.mm(b)
         else:
@@ -79,10 +77,15 @@ def _apply(weight: torch.Tensor, bias: torch.Tensor | None, x: Any, dy: torch.Te
 def _weight_grads(x: torch.Tensor, dy: torch.Tensor, transposed: bool, weight: bool,
                   bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``dW`` (``dy^T x``, or ``x^T dy`` for an (in, out) weight) and ``db`` (``sum dy``)."""
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1])
-    dw = (x2.t().mm(dy2) if transposed else dy2.t().mm(x2)) if weight else None
-    return dw, dy2.sum(0) if bias else None
+    a, b, dy2 = _operands(x, dy, transposed)
+    return a.mm(b) if weight else None, dy2.sum(0) if bias else None
+
+
+def _operands(x: torch.Tensor, dy: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a, b, dy2)``: the weight gradient is ``a @ b``, the bias gradient ``dy2.sum(0)``."""
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    a, b = (x2.t(), dy2) if transposed else (dy2.t(), x2)
+    return a, b, dy2
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
