@@ -24,6 +24,7 @@ import argparse
 import copy
 import json
 import os
+import random
 import resource
 import statistics
 import sys
@@ -241,28 +242,47 @@ def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0, v
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB
 
 
+def median_interval(values: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values`` (rounds drawn with replacement):
+    where the median of another run of as many rounds would likely land on this machine."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def paired(times: dict[str, list[float]], replicas: dict[str, int]) -> None:
     """Per-round ratios: each round times every mode back to back, so a ratio within a round
-    is free of the slower drifts between rounds; median and range over the rounds. The last
-    column is the speed-up over ``single`` in the same round, as a share of two cores' 2.0x."""
+    is free of the slower drifts between rounds; the median over the rounds, its 95%
+    bootstrap interval and the range. The last two columns are the speed-up over
+    ``single`` in the same round, as a share of the 1F1B ideal and of two cores' 2.0x."""
     torch_modes = [k for k in times if k.startswith("torch-")]
     if not torch_modes:
         return
-    print("\nper-round tokens/s ratios vs torch, and of 2.0x (median, min-max over rounds)")
+    ideal = 2 * MICROBATCHES / (MICROBATCHES + 1)
+
+    def cell(values: list[float], fmt: str) -> str:
+        low, high = median_interval(values)
+        return (f"{statistics.median(values):{fmt}} [{low:{fmt}}-{high:{fmt}}] "
+                f"({min(values):{fmt}}-{max(values):{fmt}})")
+
+    print("\nper-round tokens/s ratios vs torch, and of the ideal and of 2.0x "
+          "(median [its 95% interval], min-max over rounds)")
     w = max(20, *(len(k) + 2 for k in times))
-    print(f"{'mode':<{w}}" + "".join(f"{'vs ' + t:>26}" for t in torch_modes) + f"{'of 2.0x':>26}")
+    c = 36
+    print(f"{'mode':<{w}}" + "".join(f"{'vs ' + t:>{c}}" for t in torch_modes) + f"{'of 1F1B ideal':>{c}}"
+          f"{'of 2.0x':>{c}}")
     for name, ts in times.items():
         if name == "single":
             continue
         per_batch = [r / replicas.get(name, 1) for r in ts]
         cells = []
         for t in (torch_modes if name.startswith("replica-") else []):
-            ratios = [tt / r for tt, r in zip(times[t], per_batch)]
-            cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
+            cells.append(cell([tt / r for tt, r in zip(times[t], per_batch)], ".3f"))
         cells += [""] * (len(torch_modes) - len(cells))
-        of_two = [s / r / 2 for s, r in zip(times["single"], per_batch)]
-        cells.append(f"{statistics.median(of_two):.1%} ({min(of_two):.0%}-{max(of_two):.0%})")
-        print(f"{name:<{w}}" + "".join(f"{c:>26}" for c in cells))
+        speedups = [s / r for s, r in zip(times["single"], per_batch)]
+        cells.append(cell([x / ideal for x in speedups], ".1%"))
+        cells.append(cell([x / 2 for x in speedups], ".1%"))
+        print(f"{name:<{w}}" + "".join(f"{c_:>{c}}" for c_ in cells))
 
 
 def main() -> None:
