@@ -268,9 +268,9 @@ def paired(times: dict[str, list[float]], replicas: dict[str, int]) -> None:
     print("\nper-round tokens/s ratios vs torch, and of the ideal and of 2.0x "
           "(median [its 95% interval], min-max over rounds)")
     w = max(20, *(len(k) + 2 for k in times))
-    c = 36
-    print(f"{'mode':<{w}}" + "".join(f"{'vs ' + t:>{c}}" for t in torch_modes) + f"{'of 1F1B ideal':>{c}}"
-          f"{'of 2.0x':>{c}}")
+    col = 36  # a cell: median [interval] (range)
+    print(f"{'mode':<{w}}" + "".join(f"{'vs ' + t:>{col}}" for t in torch_modes) + f"{'of 1F1B ideal':>{col}}"
+          f"{'of 2.0x':>{col}}")
     for name, ts in times.items():
         if name == "single":
             continue
@@ -282,7 +282,7 @@ def paired(times: dict[str, list[float]], replicas: dict[str, int]) -> None:
         speedups = [s / r for s, r in zip(times["single"], per_batch)]
         cells.append(cell([x / ideal for x in speedups], ".1%"))
         cells.append(cell([x / 2 for x in speedups], ".1%"))
-        print(f"{name:<{w}}" + "".join(f"{c_:>{c}}" for c_ in cells))
+        print(f"{name:<{w}}" + "".join(f"{c:>{col}}" for c in cells))
 
 
 def main() -> None:
