@@ -19,6 +19,7 @@ from replica.pipeline.local import LocalRuntime, LossFn
 from replica.pipeline.remat import rebuildable_norms
 from replica.pipeline.schedule import Schedule, durations_of, make_schedule, splits_backward, stage_scale_of
 from replica.pipeline.shapes import ShapeOracle
+from replica.pipeline.simulate import Timeline
 from replica.pipeline.weightgrad import defer_linear_weight_grads
 
 __all__ = ["PipelineModel", "plan_schedule"]
@@ -125,9 +126,31 @@ class PipelineModel:
         gradient of the whole batch's loss (accumulated, as ``loss.backward()`` would);
         returns that loss, detached. ``inputs`` are as the model takes them: a tensor, a tuple
         of positional inputs, or a dict of keyword inputs; ``kwargs`` add keyword inputs."""
+        step = self._step_arguments(inputs, target, kwargs, "train_step")
+        with following(self.model):
+            return self.runtime.train_step(*step).loss
+
+    def measure_step(self, inputs: Any, target: Any, **kwargs: Any) -> tuple[torch.Tensor, Timeline]:
+        """:meth:`train_step` (the same gradients and loss) that also times every action:
+        returns ``(loss, timeline)``, the measured :class:`~replica.pipeline.simulate.Timeline`
+        of this replica's pipeline ranks, on each of them. An action's interval starts when
+        its inputs have arrived, so waits for a peer show as idle time; a backward that sends
+        its input gradients before its weight gradients reads as a B and a W. Draw it beside
+        the plan's prediction with ``replica.visualize(pm, path, measured=timeline)``, or
+        write it for chrome://tracing with ``replica.viz.chrome.write_chrome_trace``.
+        Distributed, every pipeline rank must call it for the same step (it starts with a
+        barrier and ends gathering the ranks' records)."""
+        step = self._step_arguments(inputs, target, kwargs, "measure_step")
+        with following(self.model):
+            result, timeline = self.runtime.measure_step(*step)
+        return result.loss, timeline
+
+    def _step_arguments(self, inputs: Any, target: Any, kwargs: dict[str, Any],
+                        call: str) -> tuple[list[tuple[Any, ...]], list[Any], LossFn, list[float]]:
+        """A training step's micro-batches, their targets, the loss and each one's weight."""
         if self.loss_fn is None:
             raise PipelineError(
-                "train_step needs a loss: pass loss_fn=callable(output, target) -> scalar to "
+                f"{call} needs a loss: pass loss_fn=callable(output, target) -> scalar to "
                 "replica.auto_parallel(...), e.g. loss_fn=torch.nn.functional.cross_entropy"
             )
         args = self._pack(inputs, kwargs)
@@ -139,8 +162,7 @@ class PipelineModel:
         targets = [t[0] for t in self._microbatches((target,), "target")]
         weights = microbatch.loss_weights(mbs, self.loss_reduction)
         self._check_mode()
-        with following(self.model):
-            return self.runtime.train_step(mbs, targets, self.loss_fn, weights).loss
+        return mbs, targets, self.loss_fn, weights
 
     def _check_mode(self) -> None:
         """Dropout follows ``train()``/``eval()``; ops frozen at trace time cannot."""

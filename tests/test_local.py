@@ -149,3 +149,33 @@ def test_transparency_of_the_other_schedules(case, schedule, num_stages, num_mic
     # a .grad that records a graph keeps every micro-batch's activations alive until it is reset
     recording = [name for name, p in pm.named_parameters() if p.grad is not None and p.grad.grad_fn is not None]
     assert not recording, f"{schedule}: gradients with a grad_fn: {recording}"
+
+
+@pytest.mark.parametrize("schedule,num_stages", [("1f1b", 3), ("zb-h1", 2), ("interleaved", 4)])
+def test_measure_step_is_a_train_step_with_its_timeline(schedule, num_stages, tmp_path):
+    model, inputs, target, loss_fn = models.tiny_gpt(8, num_layers=4, size_ops=True)
+    ref, ref_loss = reference(model, inputs, target, loss_fn)
+    pm = replica.auto_parallel(model, inputs, num_stages=num_stages, num_microbatches=4, schedule=schedule,
+                               loss_fn=loss_fn, device=COMPUTE_BOUND)
+    loss, timeline = pm.measure_step(inputs, target)
+    torch.testing.assert_close(loss, ref_loss)
+    assert_same_grads(pm, ref)
+    fused = pm.runtime.fused  # a W right after its B runs inside it
+    ran = [a for actions in pm.schedule for a in actions
+           if a.kind != "W" or (a.stage_index, a.microbatch_index) not in fused]
+    assert sorted(str(e.action) for e in timeline.events) == sorted(str(a) for a in ran)
+    place = {a.stage_index: r for r, actions in enumerate(pm.schedule) for a in actions}
+    assert all(e.rank == place[e.action.stage_index] for e in timeline.events)
+    assert timeline.num_ranks == len(pm.schedule)
+    spans = sorted((e.start_s, e.end_s) for e in timeline.events)  # one process: one action at a time
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert 0 <= spans[0][0] and spans[-1][1] <= timeline.step_time_s
+    report = replica.visualize(pm, tmp_path / "plan.html", measured=timeline, device=COMPUTE_BOUND)  # beside the plan
+    assert "Measured" in report.read_text()
+
+
+def test_measure_step_needs_a_loss():
+    model, inputs, target, _ = models.tiny_gpt(8)
+    pm = replica.auto_parallel(model, inputs, num_stages=2, device=COMPUTE_BOUND)
+    with pytest.raises(replica.PipelineError, match="measure_step needs a loss"):
+        pm.measure_step(inputs, target)

@@ -20,14 +20,15 @@ from replica.errors import PipelineError, ReplicaError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline import p2p
+from replica.pipeline.clock import NO_CLOCK, StepClock
 from replica.pipeline.gradsync import ReplicaReducer
 from replica.pipeline.p2p import BWD, FWD
 from replica.pipeline.local import RandomStreams, StepResult, holding_several, rebuild_map, run_stage, weighted_loss
 from replica.pipeline.mailbox import Mailbox, greet_peers, ordered_posting
-from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, fused_weight_grads, placement,
-                                       splits_backward)
+from replica.pipeline.schedule import (BACKWARD, FORWARD, WEIGHT, Action, Schedule, fused_weight_grads,
+                                       placement, splits_backward)
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
-from replica.pipeline.simulate import simulate, stage_costs_from_plan
+from replica.pipeline.simulate import Event, Timeline, simulate, stage_costs_from_plan
 from replica.pipeline.weightgrad import WeightGrads, collecting
 
 __all__ = ["Topology", "DistributedRuntime"]
@@ -126,6 +127,7 @@ class DistributedRuntime:
         }
         self._make_groups()
         self.ordered = ordered_posting()
+        self.clock: StepClock = NO_CLOCK  # measure_step's, while it runs
         self.messages = {train: self._message_order(schedule, train) for train in (True, False)}
         greet_peers(self.messages[True] + self.messages[False], me=topology.pipeline_rank, rank=topology.rank,
                     global_rank=topology.global_rank, device=device, wait=self._wait)
@@ -236,10 +238,11 @@ class DistributedRuntime:
                        wait=self._wait)
         return _Step(metas=metas, mail=mail)
 
-    @staticmethod
-    def _received(step: _Step, key: tuple[str, int, int, int], action: Action) -> torch.Tensor:
+    def _received(self, step: _Step, key: tuple[str, int, int, int], action: Action) -> torch.Tensor:
         what = f"{'activation' if key[3] == FWD else 'gradient'} {key[0]!r} of micro-batch {key[2]} (for {action})"
-        return step.mail.receive(key, what)
+        value = step.mail.receive(key, what)
+        self.clock.ready()
+        return value
 
     # --- actions -----------------------------------------------------------------------
     def _forward(self, step: _Step, action: Action, inputs: tuple[Any, ...], train: bool) -> Any:
@@ -332,7 +335,9 @@ class DistributedRuntime:
         losses: dict[int, torch.Tensor] = {}  # detached: the graph goes with its backward
         attached: dict[int, torch.Tensor] = {}  # a last stage's losses until their backward
         deferred: dict[tuple[int, int], WeightGrads] = {}
+        clock = self.clock
         for n, action in enumerate(self.actions):
+            clock.begin()
             stage = self.stages[action.stage_index]
             i = action.microbatch_index
             last = n == self.last_backward[action.stage_index]
@@ -346,6 +351,7 @@ class DistributedRuntime:
                     attached[i] = weighted_loss(loss_fn, out, targets[i], weights[i])
                     losses[i] = attached[i].detach()
                 del out  # the graph stays only where its backward will let go of it
+                clock.end(action)
             elif action.kind == BACKWARD:
                 # W inside B: weight gradients straight into .grad, unless the reducer's hooks
                 # must see autograd accumulate them (the last backward, data-parallel)
@@ -353,12 +359,15 @@ class DistributedRuntime:
                 sink = WeightGrads() if split or early else (None if listening else WeightGrads(now=True))
                 with collecting(sink):
                     self._backward(step, action, attached.pop(i) if stage.is_last else None)
+                clock.end(action)
                 if early:
                     sink.apply()
+                    clock.end(Action(action.stage_index, WEIGHT, i))  # the weight gradients, after the send
                 else:
                     deferred[(action.stage_index, i)] = sink
             elif (action.stage_index, i) not in self.fused:  # W: the weight gradients B left for later
                 deferred.pop((action.stage_index, i)).apply()
+                clock.end(action)
             if last and self.reducer is not None:
                 self.reducer.flush(action.stage_index)
         step.mail.finish()
@@ -374,6 +383,48 @@ class DistributedRuntime:
         work = dist.all_reduce(total, async_op=True)
         self._wait(work, "the loss all-reduce", "every rank")
         return StepResult((total / self.topology.data_parallel_size).cpu(), [])
+
+    def measure_step(
+        self,
+        microbatches: Sequence[tuple[Any, ...]],
+        targets: Sequence[Any],
+        loss_fn: LossFn,
+        weights: Sequence[float],
+    ) -> tuple[StepResult, Timeline]:
+        """:meth:`train_step`, timing every action: the replica's measured timeline, on each
+        of its pipeline ranks. The ranks start the step together (a barrier) and each times
+        its actions from there, so clocks of different machines need not agree."""
+        what = "the pipeline ranks' barrier before a measured step"
+        self._wait(dist.all_reduce(torch.zeros(1, device=self.device), group=self.pipeline_group, async_op=True),
+                   what, "every pipeline rank")
+        self.clock = clock = StepClock()
+        try:
+            result = self.train_step(microbatches, targets, loss_fn, weights)
+        finally:
+            self.clock = NO_CLOCK
+        step_s = clock.now()
+        kinds = (FORWARD, BACKWARD, WEIGHT)
+        mine = torch.tensor([[a.stage_index, kinds.index(a.kind), a.microbatch_index, start, end]
+                             for a, start, end in clock.records] + [[-1, 0, 0, 0.0, step_s]],
+                            dtype=torch.float64, device=self.device)  # the last row: when the step ended
+        ranks = self.topology.num_pipeline_ranks
+        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(ranks)]
+        self._wait(dist.all_gather(counts, torch.tensor([len(mine)], device=self.device),
+                                   group=self.pipeline_group, async_op=True), "the measured steps' sizes",
+                   "every pipeline rank")
+        rows = int(max(c.item() for c in counts))
+        padded = torch.zeros(rows, 5, dtype=torch.float64, device=self.device)
+        padded[:len(mine)] = mine
+        gathered = [torch.empty_like(padded) for _ in range(ranks)]
+        self._wait(dist.all_gather(gathered, padded, group=self.pipeline_group, async_op=True),
+                   "the measured steps' records", "every pipeline rank")
+        events, ends = [], []
+        for rank, (table, count) in enumerate(zip(gathered, counts)):
+            *records, last = table[:int(count.item())].tolist()
+            ends.append(last[4])
+            events += [Event(rank, Action(int(k), kinds[int(kind)], int(i)), start, end)
+                       for k, kind, i, start, end in records]
+        return result, Timeline.from_events(events, num_ranks=ranks, step_time_s=max(ends))
 
     def _reduce_tied(self) -> None:
         """Sum each tied weight's gradient over the ranks holding it; average over replicas."""

@@ -17,8 +17,10 @@ from replica.errors import PipelineError
 from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
 from replica.pipeline.remat import KINDS, pointwise_recompute
+from replica.pipeline.clock import NO_CLOCK, StepClock
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, execution_order, fused_weight_grads,
-                                       max_in_flight, splits_backward)
+                                       max_in_flight, placement, splits_backward)
+from replica.pipeline.simulate import Event, Timeline
 from replica.pipeline.weightgrad import WeightGrads, collecting
 
 __all__ = ["LocalRuntime", "StepResult", "RandomStreams"]
@@ -116,6 +118,7 @@ class LocalRuntime:
         self.split_backward = splits_backward(schedule)
         self.fused = fused_weight_grads(self.order)  # W right after its B: one backward
         self.random = RandomStreams(self.stages)
+        self.clock: StepClock = NO_CLOCK  # measure_step's, while it runs
 
     def forward(self, microbatches: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Pipelined forward without cutting autograd: the result backpropagates like the model's."""
@@ -151,7 +154,9 @@ class LocalRuntime:
         outputs: list[Any] = [None] * m
         deferred: dict[tuple[int, int], WeightGrads] = {}
         self.random.new_step()
+        clock = self.clock
         for action in self.order:
+            clock.begin()
             stage = self.stages[action.stage_index]
             i = action.microbatch_index
             key = (stage.stage_index, i)
@@ -171,6 +176,7 @@ class LocalRuntime:
                 else:
                     produced[key] = out
                     values[i].update(zip(stage.output_names, out))
+                clock.end(action)
             elif action.kind == BACKWARD:
                 # deferred to its W; else straight into .grad inside this backward
                 sink = deferred[key] = WeightGrads(now=not self.split_backward or key in self.fused)
@@ -179,10 +185,25 @@ class LocalRuntime:
                 for n in stage.output_names:
                     values[i].pop(n, None)
                     grads[i].pop(n, None)
+                clock.end(action)
             elif key not in self.fused:  # W: the weight gradients B left for later
                 deferred.pop(key).apply()
+                clock.end(action)
         loss = torch.stack(losses).sum() if losses else torch.zeros(())
         return StepResult(loss, outputs)
+
+    def measure_step(self, microbatches: Sequence[tuple[Any, ...]], targets: Sequence[Any], loss_fn: LossFn,
+                     weights: Sequence[float]) -> tuple[StepResult, Timeline]:
+        """:meth:`train_step`, timing every action. One process runs them one after another,
+        so the timeline puts each on its schedule rank but no two overlap."""
+        self.clock = clock = StepClock()
+        try:
+            result = self.train_step(microbatches, targets, loss_fn, weights)
+        finally:
+            self.clock = NO_CLOCK
+        place = placement(self.schedule)
+        events = [Event(place[a.stage_index], a, start, end) for a, start, end in clock.records]
+        return result, Timeline.from_events(events, num_ranks=len(self.schedule), step_time_s=clock.now())
 
     @staticmethod
     def _backward(
