@@ -150,8 +150,9 @@ def dead_rank_job(rank: int, world: int, timeout_s: float) -> dict[str, Any] | N
     return _failed_step(pm, inputs, target)
 
 
-def hung_rank_job(rank: int, world: int, timeout_s: float) -> dict[str, Any] | None:
-    """Rank 1 sleeps through the step (then leaves cleanly); rank 0 reports how it failed."""
+def hung_rank_job(rank: int, world: int, timeout_s: float, call: str = "train_step") -> dict[str, Any] | None:
+    """Rank 1 sleeps through the step (then leaves cleanly); rank 0 reports how its ``call``
+    (``train_step`` or ``measure_step``) failed."""
     torch.manual_seed(0)
     model, inputs, target, loss_fn = models.tiny_gpt(8, size_ops=True)
     pm = replica.auto_parallel(model, inputs, num_stages=2, num_microbatches=2, loss_fn=loss_fn,
@@ -159,17 +160,18 @@ def hung_rank_job(rank: int, world: int, timeout_s: float) -> dict[str, Any] | N
     if rank == 1:
         time.sleep(timeout_s + 3)
         return None
-    return _failed_step(pm, inputs, target)
+    return _failed_step(pm, inputs, target, call)
 
 
-def _failed_step(pm: replica.PipelineModel, inputs: tuple, target: torch.Tensor) -> dict[str, Any]:
+def _failed_step(pm: replica.PipelineModel, inputs: tuple, target: torch.Tensor,
+                 call: str = "train_step") -> dict[str, Any]:
     start = time.monotonic()
     try:
-        pm.train_step(inputs, target)
+        getattr(pm, call)(inputs, target)
     except Exception as exc:  # the type is part of the report: it must be PipelineError
         return {"type": type(exc).__name__, "is_pipeline_error": isinstance(exc, replica.PipelineError),
                 "message": str(exc), "elapsed_s": time.monotonic() - start}
-    return {"type": None, "message": "train_step succeeded", "elapsed_s": time.monotonic() - start}
+    return {"type": None, "message": f"{call} succeeded", "elapsed_s": time.monotonic() - start}
 
 
 def config_error_job(rank: int, world: int, num_layers_per_rank: tuple[int, ...], num_stages: int) -> dict:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import time
-from typing import Any
-
 import pytest
 import torch
 
@@ -16,6 +13,7 @@ from replica.launch import run_local
 from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, placement
 from tests import models
 from tests.conftest import COMPUTE_BOUND
+from tests.distributed.test_distributed import hung_rank_job
 
 pytestmark = pytest.mark.distributed
 
@@ -59,24 +57,6 @@ def data_parallel_job(rank: int, world: int) -> bytes:
                          "events": [(e.rank, str(e.action), e.start_s, e.end_s) for e in timeline.events]})
 
 
-def hung_job(rank: int, world: int, timeout_s: float) -> dict[str, Any] | None:
-    """Rank 1 never joins the measured step; rank 0 reports how its measure_step failed."""
-    torch.manual_seed(0)
-    model, inputs, target, loss_fn = models.tiny_gpt(8, size_ops=True)
-    pm = replica.auto_parallel(model, inputs, num_stages=2, num_microbatches=2, loss_fn=loss_fn,
-                               device=COMPUTE_BOUND, timeout_s=timeout_s)
-    if rank == 1:
-        time.sleep(timeout_s + 3)
-        return None
-    start = time.monotonic()
-    try:
-        pm.measure_step(inputs, target)
-    except Exception as exc:
-        return {"is_pipeline_error": isinstance(exc, replica.PipelineError), "message": str(exc),
-                "elapsed_s": time.monotonic() - start}
-    return {"is_pipeline_error": False, "message": "measure_step succeeded", "elapsed_s": 0.0}
-
-
 def test_measured_timeline_on_two_ranks():
     by_rank = [pickle.loads(r) for r in run_local(measure_job, 2, timeout_s=90)]
     for mine, theirs in zip(*by_rank):  # the same timeline on every pipeline rank
@@ -117,7 +97,7 @@ def test_each_replica_measures_its_own_pipeline():
 
 def test_measure_step_names_a_peer_that_never_joins():
     timeout_s = 3
-    report = run_local(hung_job, 2, timeout_s, timeout_s=45)[0]
+    report = run_local(hung_rank_job, 2, timeout_s, "measure_step", timeout_s=45)[0]
     assert report["is_pipeline_error"], report
     assert "barrier before a measured step" in report["message"], report["message"]
     assert f"{timeout_s} s" in report["message"], report["message"]
