@@ -12,11 +12,13 @@ whose methods do nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Any, Iterator
 
 from replica.pipeline.schedule import Action
 
-__all__ = ["StepClock", "NO_CLOCK"]
+__all__ = ["StepClock", "NO_CLOCK", "timing"]
 
 
 class StepClock:
@@ -56,3 +58,13 @@ class _NoClock(StepClock):
 
 
 NO_CLOCK = _NoClock()
+
+
+@contextlib.contextmanager
+def timing(runtime: Any) -> Iterator[StepClock]:
+    """A fresh :class:`StepClock` in ``runtime.clock`` for the block, :data:`NO_CLOCK` after."""
+    runtime.clock = clock = StepClock()
+    try:
+        yield clock
+    finally:
+        runtime.clock = NO_CLOCK

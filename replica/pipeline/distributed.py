@@ -20,7 +20,7 @@ from replica.errors import PipelineError, ReplicaError
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline import p2p
-from replica.pipeline.clock import NO_CLOCK, StepClock
+from replica.pipeline.clock import NO_CLOCK, StepClock, timing
 from replica.pipeline.gradsync import ReplicaReducer
 from replica.pipeline.p2p import BWD, FWD
 from replica.pipeline.local import RandomStreams, StepResult, holding_several, rebuild_map, run_stage, weighted_loss
@@ -397,11 +397,8 @@ class DistributedRuntime:
         what = "the pipeline ranks' barrier before a measured step"
         self._wait(dist.all_reduce(torch.zeros(1, device=self.device), group=self.pipeline_group, async_op=True),
                    what, "every pipeline rank")
-        self.clock = clock = StepClock()
-        try:
+        with timing(self) as clock:
             result = self.train_step(microbatches, targets, loss_fn, weights)
-        finally:
-            self.clock = NO_CLOCK
         step_s = clock.now()
         kinds = (FORWARD, BACKWARD, WEIGHT)
         mine = torch.tensor([[a.stage_index, kinds.index(a.kind), a.microbatch_index, start, end]

@@ -16,8 +16,8 @@ import torch.utils.checkpoint
 from replica.errors import PipelineError
 from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
+from replica.pipeline.clock import NO_CLOCK, StepClock, timing
 from replica.pipeline.remat import KINDS, pointwise_recompute
-from replica.pipeline.clock import NO_CLOCK, StepClock
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, execution_order, fused_weight_grads,
                                        max_in_flight, placement, splits_backward)
 from replica.pipeline.simulate import Event, Timeline
@@ -196,11 +196,8 @@ class LocalRuntime:
                      weights: Sequence[float]) -> tuple[StepResult, Timeline]:
         """:meth:`train_step`, timing every action. One process runs them one after another,
         so the timeline puts each on its schedule rank but no two overlap."""
-        self.clock = clock = StepClock()
-        try:
+        with timing(self) as clock:
             result = self.train_step(microbatches, targets, loss_fn, weights)
-        finally:
-            self.clock = NO_CLOCK
         place = placement(self.schedule)
         events = [Event(place[a.stage_index], a, start, end) for a, start, end in clock.records]
         return result, Timeline.from_events(events, num_ranks=len(self.schedule), step_time_s=clock.now())
