@@ -243,7 +243,9 @@ class _Planner:
             return plan  # nothing kept to rebuild; rebuilt everywhere already; nobody waits
         step_time = self._step_time(plan)
         base = step_time(plan)
-        taken, best, risked = [], plan, plan  # risked: the rebuilds taken, at REBUILD_RISK times their price
+        # the rebuilds the plan has (paying for graded sizes) stay; risked: those taken here
+        # priced at REBUILD_RISK times
+        taken, best, risked = list(plan.rebuilds), plan, plan
         for k, kind in sorted(found, key=lambda key: (plan.stages[key[0]].predicted_time_s,
                                                       -found[key][1] / max(found[key][0], 1e-12))):
             seconds, nbytes = found[(k, kind)]
@@ -253,7 +255,7 @@ class _Planner:
             if step_time(trial) <= base * (1 + TIE):
                 taken.append((k, kind))
                 best, risked = self._with_rebuild(best, k, seconds, nbytes), trial
-        if not taken:
+        if best is plan:
             return plan
         return dataclasses.replace(best, rebuilds=tuple(sorted(taken)),
                                    predicted_step_time_s=plan.predicted_step_time_s + step_time(best) - base)

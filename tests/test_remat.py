@@ -307,6 +307,25 @@ def test_a_free_rebuild_must_fit_the_idle_time_at_its_risk_price(monkeypatch):
             fast.backward_time_s + (seconds if taken else 0.0))
 
 
+def test_a_free_rebuild_keeps_the_rebuilds_that_pay_for_grading(monkeypatch):
+    """A plan whose stage already rebuilds one kind (to pay for graded sizes' memory) and then
+    takes another for free rebuilds both: the free one is added, not put in the paid one's
+    place. (It once was: the benchmark GPT's stage 0 paid for its graded sizes with GELU
+    rebuilds, took LayerNorm rebuilds for free, and ran with the norms only, its peak over
+    even sizes' by the GELU outputs the plan counted as freed.)"""
+    model, inputs, _, _ = models.tiny_gpt(8, num_layers=2)
+    planner = _planner(model, inputs)
+    raw = planner.partition_for(2, 4, "1f1b", finish=False)
+    fast = min(raw.stages, key=lambda s: s.predicted_time_s).stage_index
+    paid = dataclasses.replace(planner._with_rebuild(raw, fast, 1e-9, 1000), rebuilds=((fast, "activation"),))
+    monkeypatch.setattr(planner, "_rebuild_candidates", lambda plan, fraction: {(fast, "norm"): (1e-9, 500)})
+    plan = planner.rebuilds(paid)
+    assert plan.rebuilds == ((fast, "activation"), (fast, "norm"))
+    assert plan.stages[fast].activation_bytes == raw.stages[fast].activation_bytes - 1500
+    monkeypatch.setattr(planner, "_rebuild_candidates", lambda plan, fraction: {})
+    assert planner.rebuilds(paid).rebuilds == ((fast, "activation"),)  # nothing more to take: as it was
+
+
 @pytest.mark.parametrize("memory_bandwidth", [1e9, 1e6, 1e3], ids=["fast", "slow", "slowest"])
 def test_a_rebuild_never_makes_a_stage_the_slowest(memory_bandwidth):
     """However dear the rebuilds, every one taken for free leaves its stage within the plan's
