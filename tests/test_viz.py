@@ -4,6 +4,7 @@ PNG export, and (marked ``browser``) the report rendered in headless Chromium.""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 import shutil
@@ -206,6 +207,23 @@ def test_a_pipeline_model_draws_its_own_schedule(gpt):
     text = render_html(pm, graph=trace(model, (idx,)).graph)
     assert "stages 0, 2" in text and "stages 1, 3" in text
     assert len(re.findall(r'<section class="stage" data-stage="\d+"', text)) == 4
+
+
+def test_a_plan_draws_the_schedule_it_runs(gpt):
+    """A bare plan's report draws what its pipeline runs: the order its own stage times give,
+    on its pipeline ranks, with its graded micro-batch sizes (as the plan predicted its step)."""
+    from replica.pipeline_model import plan_schedule
+
+    model, idx, _, _ = gpt
+    plan = replica.plan(model, (idx,), num_stages=4, num_microbatches=4, schedule="zb-v", device="a100-80gb",
+                        cost="analytic")
+    plan = dataclasses.replace(plan, microbatch_shares=(1 / 8, 3 / 8, 3 / 8, 1 / 8))
+    fig = figures(plan)
+    schedule = plan_schedule(plan, plan.pipeline_ranks or None)
+    assert fig.schedule == schedule and fig.timeline.num_ranks == 2
+    graded = simulate(schedule, stage_costs_from_plan(plan, schedule), sizes=[0.5, 1.5, 1.5, 0.5])
+    assert fig.timeline.step_time_s == pytest.approx(graded.step_time_s)
+    assert graded.step_time_s != pytest.approx(simulate(schedule, stage_costs_from_plan(plan, schedule)).step_time_s)
 
 
 def test_measured_times(gpt):

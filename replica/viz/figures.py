@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 from replica.errors import ConfigError
 from replica.partition.plan import Plan
-from replica.pipeline.schedule import FORWARD, Action, make_schedule, placement
+from replica.pipeline.schedule import FORWARD, Action, placement
 from replica.pipeline.simulate import Timeline, simulate, stage_costs_from_plan
 
 __all__ = ["StageTimes", "Figures", "figures", "stage_colour", "KIND_COLOURS", "MEMORY_COLOURS",
@@ -98,7 +98,9 @@ def figures(
     """
     plan, schedule = _unwrap(plan_or_pipeline)
     if schedule is None:
-        schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
+        from replica.pipeline_model import plan_schedule  # imports torch
+
+        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
     spec = _spec(device) if device is not None else None
     if spec is None:
         from replica.partition.cost import PRESETS
@@ -112,9 +114,10 @@ def figures(
                 "visualize(plan, path, device=spec) or save_png(plan, path, device=spec)"
             )
     costs = stage_costs_from_plan(plan, schedule, device=spec)
+    sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]  # graded micro-batches, as they run
     measured_times, measured_timeline = _measured(plan, measured)
     return Figures(
-        plan=plan, schedule=schedule, timeline=simulate(schedule, costs), measured=measured_times,
+        plan=plan, schedule=schedule, timeline=simulate(schedule, costs, sizes=sizes), measured=measured_times,
         measured_timeline=measured_timeline, budgets=_budgets(plan, memory_budget, spec),
         colours=tuple(stage_colour(k, plan.num_stages) for k in range(plan.num_stages)),
     )
