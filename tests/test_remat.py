@@ -394,3 +394,67 @@ def test_an_old_plan_without_rebuilds_loads():
     data = json.loads(plan.to_json())
     del data["rebuilds"]
     assert replica.Plan.from_json(json.dumps(data)).rebuilds == ()
+
+
+# --------------------------------------------------------------------------- lagged weight gradients
+
+
+def _lag_case(shares=(2, 5, 5, 5, 5, 5, 3, 2), slower=1.5, schedule="1f1b"):
+    """The tiny GPT on 2 stages, 8 micro-batches of ``shares`` samples, its last stage's
+    backward ``slower`` times the model's: the first rank waits for its last gradients."""
+    model, inputs, _, _ = models.tiny_gpt(32, num_layers=4)
+    planner = _planner(model, inputs)
+    raw = planner.partition_for(2, 8, schedule, finish=False)
+    last = raw.stages[-1]
+    plan = dataclasses.replace(raw, microbatch_shares=tuple(s / 32 for s in shares), stages=(
+        *raw.stages[:-1], dataclasses.replace(last, backward_time_s=last.backward_time_s * slower)))
+    return planner, plan
+
+
+def test_the_planner_lags_a_weight_gradient_where_the_drain_waits_for_it():
+    """1F1B with a slow last stage: its W of micro-batch 6 runs after B 7, so the first rank
+    gets its last gradient one W sooner. The simulated step gets shorter, no rank's
+    simulated peak rises (3 + 2 samples held, where a middle micro-batch has 5), and the plan
+    predicts the gain; the plan's own schedule runs the lag, and its JSON and summary keep it."""
+    from replica.api import LAG_GAIN
+
+    planner, plan = _lag_case()
+    lagged = planner.lag_weight_grads(plan)
+    assert (1, 6) in lagged.lagged_weight_grads
+    assert all(k == 1 for k, _ in lagged.lagged_weight_grads)  # the first stage sends no gradient back
+    (peaks, step), (lag_peaks, lag_step) = (_peaks_and_step(planner, p) for p in (plan, lagged))
+    assert lag_step <= step * (1 - LAG_GAIN) and all(a <= b for a, b in zip(lag_peaks, peaks))
+    assert lagged.predicted_step_time_s == pytest.approx(plan.predicted_step_time_s - (step - lag_step))
+    again = replica.Plan.from_json(lagged.to_json())
+    assert again.lagged_weight_grads == lagged.lagged_weight_grads
+    assert "micro-batches [" in again.summary() and "lagged" in again.summary()
+
+
+def test_a_lag_that_would_raise_a_peak_is_not_taken():
+    """With even sizes the lagged W holds a whole micro-batch more on the last rank: no lag."""
+    planner, plan = _lag_case(shares=(4,) * 8)
+    assert planner.lag_weight_grads(plan).lagged_weight_grads == ()
+
+
+def test_no_lag_where_it_cannot_pay_or_does_not_apply():
+    """A fast last stage leaves nothing to gain; zero-bubble schedules place their own W's; a plan
+    whose input gradients wait for the weight gradients (tight memory), full or pointwise
+    recompute, and one stage all keep their weight gradients where they are."""
+    planner, plan = _lag_case(slower=0.5)
+    assert planner.lag_weight_grads(plan) is plan
+    planner, slow = _lag_case()
+    for other in (dataclasses.replace(slow, early_input_grads=False), dataclasses.replace(slow, recompute=True),
+                  dataclasses.replace(slow, pointwise_recompute=True)):
+        assert planner.lag_weight_grads(other) is other
+    zb = _lag_case(schedule="zb-h1")[1]
+    assert planner.lag_weight_grads(zb) is zb
+    one = planner.partition_for(1, 8, "1f1b", finish=False)
+    assert planner.lag_weight_grads(one) is one
+
+
+def test_an_old_plan_without_lagged_weight_grads_loads():
+    model, inputs, _, _ = models.tiny_gpt(8, num_layers=2)
+    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND)
+    data = json.loads(plan.to_json())
+    del data["lagged_weight_grads"]
+    assert replica.Plan.from_json(json.dumps(data)).lagged_weight_grads == ()

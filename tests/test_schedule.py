@@ -316,3 +316,55 @@ def test_zero_bubble_interleaved_golden_grid():
 def test_zero_bubble_interleaved_is_valid_with_any_durations(p, v, m):
     for durations in ((1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 2.0, 0.5)):
         validate(make_schedule("zb-interleaved", p * v, m, p, durations=durations), p * v, m)
+
+
+# --------------------------------------------------------------------------- lagged weight gradients
+
+
+def test_lag_weight_grads_golden_grid():
+    from replica.pipeline.schedule import lag_weight_grads
+
+    assert format_grid(lag_weight_grads(one_f_one_b(2, 4), [(1, 2)]), 2) == docstring_grid(lag_weight_grads)
+
+
+def test_lag_nothing_puts_each_w_right_after_its_b():
+    from replica.pipeline.schedule import fused_weight_grads, lag_weight_grads
+
+    for schedule in (one_f_one_b(3, 5), gpipe(2, 3), interleaved_one_f_one_b(2, 4, 4)):
+        split = lag_weight_grads(schedule, ())
+        assert [[a for a in row if a.kind != "W"] for row in split] == schedule
+        backwards = {(a.stage_index, a.microbatch_index) for row in schedule for a in row if a.kind == "B"}
+        assert set().union(*(fused_weight_grads(row) for row in split)) == backwards
+
+
+def test_a_lagged_w_runs_after_the_stages_next_b_in_micro_batch_order():
+    from replica.pipeline.schedule import lag_weight_grads
+
+    rank1 = lag_weight_grads(one_f_one_b(2, 8), [(1, 5), (1, 6)])[1]
+    tail = " ".join(map(str, rank1[rank1.index(Action(1, "B", 5)):]))
+    assert tail == "1B5 1F6 1B6 1W5 1F7 1B7 1W6 1W7"
+    validate(lag_weight_grads(one_f_one_b(2, 8), [(1, 5), (1, 6)]), 2, 8)
+
+
+def test_a_stages_last_backward_is_never_lagged():
+    from replica.pipeline.schedule import lag_weight_grads
+
+    assert lag_weight_grads(one_f_one_b(2, 4), [(1, 3)]) == lag_weight_grads(one_f_one_b(2, 4), ())
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(p=st.integers(2, 4), m=st.integers(1, 8), data=st.data())
+def test_any_lagged_pairs_give_a_valid_schedule(p, m, data):
+    from replica.pipeline.schedule import lag_weight_grads
+
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, p - 1), st.integers(0, m - 1)), max_size=6))
+    validate(lag_weight_grads(one_f_one_b(p, m), pairs), p, m)
+
+
+def test_lagging_a_missing_backward_or_a_split_schedule_is_an_error():
+    from replica.pipeline.schedule import lag_weight_grads, zero_bubble_h1
+
+    with pytest.raises(replica.ScheduleError, match=r"\(2, 0\).*no such backward"):
+        lag_weight_grads(one_f_one_b(2, 4), [(2, 0)])
+    with pytest.raises(replica.ScheduleError, match="without W actions"):
+        lag_weight_grads(zero_bubble_h1(2, 4), [(1, 2)])
