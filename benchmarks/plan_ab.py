@@ -2,16 +2,15 @@
 alternating every two steps, so the machine's noise hits both alike.
 
 The benchmark GPT of ``pipeline_vs_torch.py`` on 2 gloo ranks x 1 thread, 8 micro-batches,
-Replica's 1F1B. A variant edits the plan the planner made (same stages, same split):
+Replica's 1F1B. A variant edits the plan the planner made:
 
-- ``lag=S:I[+S:I...]``: these (stage, micro-batch) pairs' weight gradients lagged after the
-  stage's next backward (``Plan.lagged_weight_grads``); ``lag=`` lags none;
 - ``shares=A,B,...``: these micro-batch sizes, in samples of the batch of 32 (``even``: 4 each);
 - ``plan=PATH``: a whole other plan of the same model (``Plan.to_json``), e.g. another split.
 
-Several edits join with ``;``. Prints both plans' micro-batch sizes and lags, both median
-step times, and the median over step pairs of variant over plan with its 95% bootstrap
-interval. Usage: ``python benchmarks/plan_ab.py --steps 40 --variant 'lag=1:6'``.
+Several edits join with ``;`` (``plan=`` first). At commit 56dd18b it also took ``lag=S:I``
+(lagged weight gradients, measured void and taken out: ``benchmarks/RESULTS.md``). Prints
+both plans' cut and micro-batch sizes, both median step times, and the median over step
+pairs of variant over plan with its 95% bootstrap interval. Usage: ``python benchmarks/plan_ab.py --steps 40 --variant 'shares=2,5,5,5,5,5,3,2'``.
 """
 
 from __future__ import annotations
@@ -40,24 +39,20 @@ def edit(plan: replica.Plan, variant: str) -> replica.Plan:
         key, _, value = part.partition("=")
         if key == "plan":
             plan = replica.Plan.from_json(Path(value).read_text())
-        elif key == "lag":
-            pairs = tuple(tuple(int(n) for n in pair.split(":")) for pair in value.split("+") if pair)
-            plan = dataclasses.replace(plan, lagged_weight_grads=tuple(sorted(pairs)))  # type: ignore[arg-type]
         elif key == "shares":
             sizes = [BATCH // MICROBATCHES] * MICROBATCHES if value == "even" else [int(n) for n in value.split(",")]
             if len(sizes) != MICROBATCHES or sum(sizes) != BATCH:
                 raise SystemExit(f"shares={value}: give {MICROBATCHES} sizes summing to {BATCH}")
             plan = dataclasses.replace(plan, microbatch_shares=tuple(s / BATCH for s in sizes))
         else:
-            raise SystemExit(f"unknown edit {part!r}; use plan=PATH, lag=S:I[+S:I...] or shares=A,B,... (or even)")
+            raise SystemExit(f"unknown edit {part!r}; use plan=PATH or shares=A,B,... (or even)")
     return plan
 
 
 def describe(plan: replica.Plan) -> str:
     sizes = [round(s * BATCH) for s in plan.microbatch_shares] or [BATCH // MICROBATCHES] * MICROBATCHES
-    lags = "+".join(f"{k}:{i}" for k, i in plan.lagged_weight_grads) or "none"
     cut = ", ".join(b.name for b in plan.stages[0].outputs if b.nbytes)
-    return f"cut sends {cut}; sizes {'/'.join(map(str, sizes))}, lagged W {lags}"
+    return f"cut sends {cut}; sizes {'/'.join(map(str, sizes))}"
 
 
 def job(rank: int, world: int, variant: str, steps: int) -> tuple[list[float], list[float], str, str]:
@@ -86,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="timed steps (half of them the variant)")
     parser.add_argument("--variant", action="append", required=True,
-                        help="an edit of the plan, e.g. 'lag=1:6' or 'shares=1,5,5,5,5,5,5,1'; repeat for more")
+                        help="an edit of the plan, e.g. 'shares=2,5,5,5,5,5,3,2' or 'plan=other.json'; repeat for more")
     args = parser.parse_args()
     for variant in args.variant:
         plan_times, variant_times, plan_text, variant_text = run_local(job, 2, variant, args.steps,

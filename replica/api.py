@@ -24,14 +24,13 @@ from replica.pipeline.schedule import (
     SCHEDULES,
     Schedule,
     V_SHAPED,
-    lag_weight_grads,
     make_schedule,
     max_in_flight,
     placement,
     splits_backward,
     stages_per_rank,
 )
-from replica.pipeline.simulate import StageCosts, Timeline, simulate, stage_costs_from_plan
+from replica.pipeline.simulate import StageCosts, simulate, stage_costs_from_plan
 from replica.pipeline_model import LossFn, PipelineModel, _distributed, plan_schedule
 from replica.tuner import SCHEDULE_CHOICES, TIE, tune
 
@@ -111,10 +110,6 @@ def _is_real(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
 # 0.7% was predicted, and in a step a GELU ran 2.1x its profiled time against 1.4x for the
 # stage as a whole (the other rank's core shares the machine); benchmarks/RESULTS.md.
 REBUILD_RISK = 3.0
-
-# A lagged weight gradient (api._Planner.lag_weight_grads) must shorten the simulated step by
-# this fraction: it costs no time of its own, so any clear gain counts.
-LAG_GAIN = 0.002
 
 
 class _Planner:
@@ -226,47 +221,7 @@ class _Planner:
         if not rebuild:
             return shaped
         paid = shaped if shaped is plan else self.pay_for_grading(shaped, plan, batch_fraction)
-        return self.lag_weight_grads(self.rebuilds(paid, batch_fraction))
-
-    def lag_weight_grads(self, plan: Plan) -> Plan:
-        """``plan`` with ``lagged_weight_grads`` (:func:`replica.pipeline.schedule.lag_weight_grads`):
-        in a schedule without W actions, a backward that sends an input gradient to another
-        rank runs the weight gradients of its stage's previous micro-batch after that send
-        instead of before, where the simulated step gets at least ``LAG_GAIN`` shorter and no
-        rank's simulated peak memory rises (with graded sizes the last micro-batches are
-        small: 1F1B's last stage holds 3 + 2 samples where a middle micro-batch has 5).
-        Each stage tries its micro-batches from the second last back and stops at the first
-        that does not pay: a lag only helps where the pipeline drains. Only with
-        ``early_input_grads`` (the input gradient leaves before the weight gradients anyway)
-        and nothing recomputed by schedule-wide rules."""
-        if not plan.early_input_grads or plan.recompute or plan.pointwise_recompute or plan.num_stages == 1:
-            return plan
-        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
-        if splits_backward(schedule):
-            return plan  # zero-bubble schedules place their W's themselves
-        where = placement(schedule)
-        costs = self._stage_costs(lag_weight_grads(schedule, ()))(plan)
-        sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]
-
-        def timeline(lagged: list[tuple[int, int]]) -> Timeline:
-            return simulate(lag_weight_grads(schedule, lagged), costs, sizes=sizes)
-
-        start = best = timeline([])
-        lagged: list[tuple[int, int]] = []
-        senders = [st.stage_index for st in plan.stages
-                   if any(where[b.source_stage] != where[st.stage_index] for b in st.inputs)]
-        for k in senders:
-            for i in range(plan.num_microbatches - 2, -1, -1):
-                trial = timeline([*lagged, (k, i)])
-                if (trial.step_time_s > best.step_time_s - LAG_GAIN * start.step_time_s
-                        or any(a > b for a, b in zip(trial.peak_memory_bytes, start.peak_memory_bytes))):
-                    break
-                best = trial
-                lagged.append((k, i))
-        if not lagged:
-            return plan
-        return dataclasses.replace(plan, lagged_weight_grads=tuple(sorted(lagged)), predicted_step_time_s=(
-            plan.predicted_step_time_s + best.step_time_s - start.step_time_s))
+        return self.rebuilds(paid, batch_fraction)
 
     def rebuilds(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:
         """``plan`` with ``rebuilds``: the (stage, kind) pairs whose op outputs (GELU / SiLU,

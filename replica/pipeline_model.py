@@ -17,15 +17,7 @@ from replica.pipeline.distributed import DistributedRuntime, Topology
 from replica.pipeline.heap import keep_freed_memory
 from replica.pipeline.local import LocalRuntime, LossFn
 from replica.pipeline.remat import rebuildable_norms
-from replica.pipeline.schedule import (
-    Schedule,
-    durations_of,
-    lag_weight_grads,
-    make_schedule,
-    splits_backward,
-    stage_scale_of,
-    validate,
-)
+from replica.pipeline.schedule import Schedule, durations_of, make_schedule, splits_backward, stage_scale_of
 from replica.pipeline.shapes import ShapeOracle
 from replica.pipeline.simulate import Timeline
 from replica.pipeline.weightgrad import defer_linear_weight_grads
@@ -34,17 +26,11 @@ __all__ = ["PipelineModel", "plan_schedule"]
 
 
 def plan_schedule(plan: Plan, num_ranks: int | None, *, check: bool = True) -> Schedule:
-    """The action lists of ``plan``, ordered by its own stage times, with the weight
-    gradients it lags: the planner and every rank derive the same ones from the same plan."""
+    """The action lists of ``plan``, ordered by its own stage times: the planner and every
+    rank derive the same ones from the same plan."""
     forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
-    schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks, check=check,
-                             durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))
-    if not plan.lagged_weight_grads:
-        return schedule
-    schedule = lag_weight_grads(schedule, plan.lagged_weight_grads)
-    if check:
-        validate(schedule, plan.num_stages, plan.num_microbatches)
-    return schedule
+    return make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks, check=check,
+                         durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))
 
 
 def _distributed() -> bool:

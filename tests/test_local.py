@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 
 import replica
-from replica.pipeline.schedule import fused_weight_grads
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 
@@ -151,26 +149,6 @@ def test_transparency_of_the_other_schedules(case, schedule, num_stages, num_mic
     # a .grad that records a graph keeps every micro-batch's activations alive until it is reset
     recording = [name for name, p in pm.named_parameters() if p.grad is not None and p.grad.grad_fn is not None]
     assert not recording, f"{schedule}: gradients with a grad_fn: {recording}"
-
-
-@pytest.mark.parametrize("schedule,num_stages", [("1f1b", 3), ("gpipe", 2), ("interleaved", 4)])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_lagged_weight_gradients_are_transparent(case, schedule, num_stages):
-    """Every stage's W of micro-batches 1 and 2 lagged after its next backward, with graded
-    sizes: the plain model's loss and gradients, and the W's do run apart from their B's."""
-    model, inputs, target, loss_fn = CASES[case]()
-    ref, ref_loss = reference(model, inputs, target, loss_fn)
-    plan = replica.plan(model, inputs, num_stages=num_stages, num_microbatches=4, schedule=schedule,
-                        device=COMPUTE_BOUND)
-    lagged = tuple((k, i) for k in range(num_stages) for i in (1, 2))
-    plan = dataclasses.replace(plan, lagged_weight_grads=lagged, microbatch_shares=(1 / 8, 3 / 8, 3 / 8, 1 / 8))
-    pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, plan=plan)
-    at = {a: n for actions in pm.schedule for n, a in enumerate(actions)}
-    for k, i in lagged:  # each after the stage's next backward (B's run in micro-batch order here)
-        assert at[(k, "W", i)] > at[(k, "B", i + 1)]
-    assert not {(k, i) for k, i in lagged} & set().union(*map(fused_weight_grads, pm.schedule))
-    torch.testing.assert_close(pm.train_step(inputs, target), ref_loss)
-    assert_same_grads(pm, ref)
 
 
 @pytest.mark.parametrize("schedule,num_stages", [("1f1b", 3), ("zb-h1", 2), ("interleaved", 4)])

@@ -109,10 +109,6 @@ class Plan:
     # whose outputs a stage rebuilds anyway: to pay for graded micro-batches' memory, or
     # where the planner found it as good as free (api._Planner.finish)
     rebuilds: tuple[tuple[int, str], ...] = ()
-    # (stage, micro-batch) pairs whose weight gradients run after the stage's next backward
-    # instead of inside their own, so that backward's input gradient leaves sooner: in
-    # 1F1B's drain (schedule.lag_weight_grads; chosen by api._Planner.lag_weight_grads)
-    lagged_weight_grads: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -189,7 +185,6 @@ class Plan:
             data["alternatives"] = tuple((str(a), float(t)) for a, t in data.get("alternatives", ()))
             data["microbatch_shares"] = tuple(float(x) for x in data.get("microbatch_shares", ()))
             data["rebuilds"] = tuple((int(k), str(kind)) for k, kind in data.get("rebuilds", ()))
-            data["lagged_weight_grads"] = tuple((int(k), int(i)) for k, i in data.get("lagged_weight_grads", ()))
             return cls(stages=stages, **data)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(
@@ -237,10 +232,6 @@ class Plan:
         if self.microbatch_shares:
             share = " / ".join(f"{x:.0%}" for x in self.microbatch_shares)
             lines.append(f"graded micro-batches (shares of the batch, in order): {share}")
-        if self.lagged_weight_grads:
-            lagged = "; ".join(f"stage {k}: micro-batches {[i for s, i in self.lagged_weight_grads if s == k]}"
-                               for k in sorted({k for k, _ in self.lagged_weight_grads}))
-            lines.append(f"weight gradients run after the stage's next backward (lagged): {lagged}")
         if not self.exact:
             gap = self.bottleneck_s / self.lower_bound_s - 1 if self.lower_bound_s > 0 else float("nan")
             lines.append(f"large graph: cut at its cheapest candidate points; bottleneck within {gap:.1%} "

@@ -12,13 +12,13 @@ from __future__ import annotations
 import collections
 import heapq
 import re
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from replica.errors import ScheduleError
 
 __all__ = [
     "Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zero_bubble_h1",
-    "zero_bubble_v", "zero_bubble_interleaved", "list_schedule", "lag_weight_grads", "SCHEDULES", "INTERLEAVED", "V_SHAPED", "make_schedule",
+    "zero_bubble_v", "zero_bubble_interleaved", "list_schedule", "SCHEDULES", "INTERLEAVED", "V_SHAPED", "make_schedule",
     "stages_per_rank", "splits_backward", "fused_weight_grads", "max_in_flight", "WEIGHT_SHARE", "durations_of",
     "validate", "placement", "execution_order", "format_grid",
 ]
@@ -315,50 +315,6 @@ def zero_bubble_interleaved(
     admit = [min(num_microbatches, (p - r - 1) * 2 // v + p) for r in range(p)]
     return list_schedule([s % p for s in range(num_stages)], num_microbatches, split_backward=True, admit=admit,
                          durations=durations)
-
-
-def lag_weight_grads(schedule: Sequence[Sequence[Action]], lagged: Iterable[tuple[int, int]]) -> Schedule:
-    """``schedule`` (one without W actions) with every backward's weight gradients written
-    out as a W right after its B, but for the ``(stage, micro-batch)`` pairs in ``lagged``:
-    their W runs right after the stage's next B instead, so that B's input gradient leaves
-    for the upstream rank one W sooner (a runtime runs a W that directly follows its own B
-    inside that backward). In 1F1B's drain the last stage's W of micro-batch m-2 delays
-    the gradient the first rank waits for. For 2 stages, 4 micro-batches, (1, 2) lagged::
-
-        rank 0: 0F0 0F1 ... 0B0 0W0 0F2 0B1 0W1 0F3 0B2 0W2 0B3 0W3
-        rank 1: ... 1F0 1B0 1W0 1F1 1B1 1W1 1F2 1B2 1F3 1B3 1W2 1W3
-
-    A lagged pair holds its W's operands (layer inputs, output gradients) one backward
-    longer; a stage's last B has no next one, so its pair is never lagged. O(actions).
-    """
-    lagged = set(lagged)
-    if splits_backward(schedule):
-        raise ScheduleError("lag_weight_grads takes a schedule without W actions (GPipe, 1F1B, interleaved); "
-                            "a zero-bubble schedule places its W's itself")
-    result: Schedule = []
-    found: set[tuple[int, int]] = set()
-    for actions in schedule:
-        by_stage: dict[int, list[Action]] = {}
-        for a in actions:
-            if a.kind == BACKWARD:
-                by_stage.setdefault(a.stage_index, []).append(a)
-        after: dict[Action, list[Action]] = {}  # a B -> the W's that run right after it
-        for backwards in by_stage.values():
-            for b, following in zip(backwards, [*backwards[1:], None]):
-                key = (b.stage_index, b.microbatch_index)
-                found.add(key)
-                host = following if key in lagged and following is not None else b
-                after.setdefault(host, []).append(Action(b.stage_index, WEIGHT, b.microbatch_index))
-        row: list[Action] = []
-        for a in actions:
-            row.append(a)
-            row += after.get(a, [])
-        result.append(row)
-    unknown = sorted(lagged - found)
-    if unknown:
-        raise ScheduleError(f"cannot lag the weight gradients of (stage, micro-batch) {unknown[:6]}: the schedule "
-                            "runs no such backward")
-    return result
 
 
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {

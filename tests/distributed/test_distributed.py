@@ -10,7 +10,6 @@ never depends on a rank that has already exited (see ``_portable``).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import pickle
 import time
@@ -114,21 +113,14 @@ def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: i
 
 
 def data_parallel_job(rank: int, world: int, num_stages: int, num_microbatches: int,
-                      schedule: str = "1f1b", lagged: tuple[tuple[int, int], ...] = ()) -> bytes:
-    """Each replica trains on its own half of a batch of 16; gradients are the whole batch's.
-    ``lagged``: (stage, micro-batch) pairs whose weight gradients the plan lags."""
+                      schedule: str = "1f1b") -> bytes:
+    """Each replica trains on its own half of a batch of 16; gradients are the whole batch's."""
     torch.manual_seed(0)
     model, inputs, target, loss_fn = models.tiny_gpt(16, size_ops=True)
     ref, ref_loss = _reference(model, inputs, target, loss_fn)
     example = tuple(x[:8] for x in inputs)
-    plan = None
-    if lagged:
-        plan = replica.plan(model, example, world_size=world, num_stages=num_stages,
-                            num_microbatches=num_microbatches, schedule=schedule, device=COMPUTE_BOUND)
-        plan = dataclasses.replace(plan, lagged_weight_grads=lagged)
     pm = replica.auto_parallel(model, example, num_stages=num_stages, num_microbatches=num_microbatches,
-                               schedule=schedule, loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S,
-                               plan=plan)
+                               schedule=schedule, loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S)
     d = pm.data_parallel_rank
     mine = slice(8 * d, 8 * d + 8)
     my_inputs = tuple(x[mine] for x in inputs)
@@ -419,20 +411,6 @@ def data_parallel_zero_bubble() -> list[dict]:
 def test_data_parallel_under_zero_bubble(data_parallel_zero_bubble):
     results = data_parallel_zero_bubble  # each rank compared its gradients with the whole batch's
     assert len({r["loss"] for r in results}) == 1
-
-
-@pytest.fixture(scope="module")
-def data_parallel_lagged() -> list[dict]:
-    """2 stages × 2 replicas, 1F1B with lagged weight gradients on both stages: a stage's last
-    action is a W that ran after another micro-batch's backward."""
-    return _run(data_parallel_job, 4, 2, 3, "1f1b", ((0, 1), (1, 0), (1, 1)))
-
-
-def test_data_parallel_with_lagged_weight_gradients(data_parallel_lagged):
-    results = data_parallel_lagged  # each rank compared its gradients with the whole batch's
-    assert len({r["loss"] for r in results}) == 1
-    for g in [r["tied_grad"] for r in results][1:]:
-        torch.testing.assert_close(g, results[0]["tied_grad"], rtol=0, atol=0)
 
 
 def test_pure_data_parallel(pure_data_parallel):

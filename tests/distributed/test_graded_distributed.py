@@ -1,4 +1,4 @@
-"""Graded micro-batches and lagged weight gradients on gloo ranks: the tied GPT keeps the plain gradients."""
+"""Graded (uneven) micro-batches across gloo ranks: the tied GPT keeps the plain model's gradients."""
 
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ pytestmark = pytest.mark.distributed
 
 def job(rank: int, world: int) -> bytes:
     checked = []
-    cases = [("1f1b", 2, (1, 3, 4, 4, 3, 1), ()), ("zb-v", 4, (3, 4, 4, 2, 2, 1), ()),
-             ("1f1b", 2, (1, 3, 4, 4, 3, 1), ((1, 3), (1, 4)))]  # the last stage's W 3 and 4 lagged
-    for schedule, stages, shares, lagged in cases:
+    for schedule, stages, shares in [("1f1b", 2, (1, 3, 4, 4, 3, 1)), ("zb-v", 4, (3, 4, 4, 2, 2, 1))]:
         torch.manual_seed(0)  # every rank builds the same model
         model, inputs, target, loss_fn = models.tiny_gpt(16, num_layers=4, size_ops=True)
         ref = copy.deepcopy(model)
@@ -29,8 +27,7 @@ def job(rank: int, world: int) -> bytes:
         ref_loss.backward()
         plan = replica.plan(model, inputs, world_size=world, num_stages=stages, num_microbatches=6,
                             schedule=schedule, device=COMPUTE_BOUND)
-        plan = dataclasses.replace(plan, microbatch_shares=tuple(s / 16 for s in shares),
-                                   lagged_weight_grads=lagged)
+        plan = dataclasses.replace(plan, microbatch_shares=tuple(s / 16 for s in shares))
         pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, plan=plan, timeout_s=30)
         torch.testing.assert_close(pm.train_step(inputs, target), ref_loss.detach())
         want = dict(ref.named_parameters())
@@ -38,16 +35,12 @@ def job(rank: int, world: int) -> bytes:
             torch.testing.assert_close(p.grad, want[name].grad, msg=lambda m: f"{schedule} {name}: {m}")
         with torch.no_grad():
             torch.testing.assert_close(pm(*inputs), ref(*inputs))
-        apart = {(a.stage_index, a.microbatch_index) for a, b in zip(pm.runtime.actions, pm.runtime.actions[1:])
-                 if a.kind == "B" and b != (a.stage_index, "W", a.microbatch_index)}  # its W runs later
-        assert {(k, i) for k, i in lagged if k in pm.runtime.stages} <= apart
         checked.append((schedule, sorted(n for n, _ in pm.named_parameters())))
     return pickle.dumps(checked)
 
 
 def test_graded_microbatches_on_two_ranks():
-    held = [pickle.loads(r) for r in run_local(job, 2, timeout_s=120)]
-    assert len(held[0]) == 3
+    held = [pickle.loads(r) for r in run_local(job, 2, timeout_s=90)]
     for (schedule, names0), (_, names1) in zip(*held):
         assert names0 != names1, schedule
         # looped: the tied embedding/head on both ranks; V: the first and last stage share rank 0
