@@ -10,7 +10,8 @@ Replica's 1F1B. A variant edits the plan the planner made:
 Several edits join with ``;`` (``plan=`` first). At commit 56dd18b it also took ``lag=S:I``
 (lagged weight gradients, measured void and taken out: ``benchmarks/RESULTS.md``). Prints
 both plans' cut and micro-batch sizes, both median step times, and the median over step
-pairs of variant over plan with its 95% bootstrap interval. Usage: ``python benchmarks/plan_ab.py --steps 40 --variant 'shares=2,5,5,5,5,5,3,2'``.
+pairs of variant over plan with its 95% bootstrap interval.
+Usage: ``python benchmarks/plan_ab.py --steps 40 --variant 'shares=2,5,5,5,5,5,3,2'``.
 """
 
 from __future__ import annotations
@@ -33,19 +34,37 @@ from examples.gpt.model import loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
 
 
-def edit(plan: replica.Plan, variant: str) -> replica.Plan:
-    """``plan`` with the edits ``variant`` names (see the module docstring)."""
+def parse(variant: str) -> list[replica.Plan | list[int]]:
+    """The edits ``variant`` names, checked (see the module docstring), in order: a whole plan,
+    or micro-batch sizes. Exits with the reason on a bad one, before any rank starts."""
+    edits: list[replica.Plan | list[int]] = []
     for part in filter(None, (p.strip() for p in variant.split(";"))):
         key, _, value = part.partition("=")
         if key == "plan":
-            plan = replica.Plan.from_json(Path(value).read_text())
+            if not Path(value).is_file():
+                raise SystemExit(f"plan={value}: no such file; write one with Path(...).write_text(plan.to_json())")
+            edits.append(replica.Plan.from_json(Path(value).read_text()))
         elif key == "shares":
-            sizes = [BATCH // MICROBATCHES] * MICROBATCHES if value == "even" else [int(n) for n in value.split(",")]
-            if len(sizes) != MICROBATCHES or sum(sizes) != BATCH:
-                raise SystemExit(f"shares={value}: give {MICROBATCHES} sizes summing to {BATCH}")
-            plan = dataclasses.replace(plan, microbatch_shares=tuple(s / BATCH for s in sizes))
+            even = ",".join([str(BATCH // MICROBATCHES)] * MICROBATCHES)
+            try:
+                sizes = [int(n) for n in (even if value == "even" else value).split(",")]
+            except ValueError:
+                sizes = []
+            if len(sizes) != MICROBATCHES or sum(sizes) != BATCH or min(sizes) < 1:
+                raise SystemExit(f"shares={value}: give {MICROBATCHES} sizes of at least 1 summing to {BATCH}")
+            edits.append(sizes)
         else:
             raise SystemExit(f"unknown edit {part!r}; use plan=PATH or shares=A,B,... (or even)")
+    return edits
+
+
+def edit(plan: replica.Plan, variant: str) -> replica.Plan:
+    """``plan`` with the edits ``variant`` names."""
+    for change in parse(variant):
+        if isinstance(change, replica.Plan):
+            plan = change
+        else:
+            plan = dataclasses.replace(plan, microbatch_shares=tuple(n / BATCH for n in change))
     return plan
 
 
@@ -83,6 +102,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", required=True,
                         help="an edit of the plan, e.g. 'shares=2,5,5,5,5,5,3,2' or 'plan=other.json'; repeat for more")
     args = parser.parse_args()
+    for variant in args.variant:
+        parse(variant)  # a bad edit stops here, not inside the ranks
     for variant in args.variant:
         plan_times, variant_times, plan_text, variant_text = run_local(job, 2, variant, args.steps,
                                                                        timeout_s=1800)[0]
