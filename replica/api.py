@@ -275,7 +275,7 @@ class _Planner:
         schedule = plan_schedule(plan, plan.pipeline_ranks or None)
         where = placement(schedule)
         costs = self._stage_costs(schedule)
-        sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]
+        sizes = plan.relative_microbatch_sizes
         even_timeline = simulate(schedule, costs(even))
         limit, ceiling = even_timeline.peak_memory_bytes, even_timeline.step_time_s * (1 - MIN_GAIN)
         start = timeline = simulate(schedule, costs(plan), sizes=sizes)
@@ -340,7 +340,7 @@ class _Planner:
         """The simulated step of a plan like ``plan`` (same schedule and micro-batch sizes)."""
         schedule = plan_schedule(plan, plan.pipeline_ranks or None)
         costs = self._stage_costs(schedule)
-        sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]
+        sizes = plan.relative_microbatch_sizes
         return lambda p: simulate(schedule, costs(p), sizes=sizes).step_time_s
 
     def graded_plan(self, plan: Plan, batch_fraction: float = 1.0) -> Plan:

@@ -351,7 +351,7 @@ def _peaks_and_step(planner, plan):
 
     schedule = plan_schedule(plan, plan.pipeline_ranks or None)
     timeline = simulate(schedule, stage_costs_from_plan(plan, schedule, device=planner.spec),
-                        sizes=[x * plan.num_microbatches for x in plan.microbatch_shares])
+                        sizes=plan.relative_microbatch_sizes)
     return timeline.peak_memory_bytes, timeline.step_time_s
 
 

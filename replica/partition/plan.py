@@ -138,6 +138,12 @@ class Plan:
         p, m = self.num_stages, self.num_microbatches
         return (p - 1) / (m + p - 1)
 
+    @property
+    def relative_microbatch_sizes(self) -> list[float]:
+        """Each micro-batch's size over the even one (``[]`` when even): what
+        ``simulate(..., sizes=)`` scales each micro-batch's costs by."""
+        return [x * self.num_microbatches for x in self.microbatch_shares]
+
     def rebuilt(self, stage_index: int) -> frozenset[str]:
         """The kinds of ops whose outputs ``stage_index`` rebuilds in backward, unasked."""
         return frozenset(kind for k, kind in self.rebuilds if k == stage_index)

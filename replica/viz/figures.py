@@ -114,7 +114,7 @@ def figures(
                 "visualize(plan, path, device=spec) or save_png(plan, path, device=spec)"
             )
     costs = stage_costs_from_plan(plan, schedule, device=spec)
-    sizes = [x * plan.num_microbatches for x in plan.microbatch_shares]  # graded micro-batches, as they run
+    sizes = plan.relative_microbatch_sizes  # graded micro-batches, as they run
     measured_times, measured_timeline = _measured(plan, measured)
     return Figures(
         plan=plan, schedule=schedule, timeline=simulate(schedule, costs, sizes=sizes), measured=measured_times,
