@@ -2,15 +2,23 @@
 
     python examples/gpt/train.py                   # 4 stages, 4 micro-batches, 1F1B, about 2 minutes on 2 CPU cores
     python examples/gpt/train.py --data input.txt --steps 2000 --schedule gpipe
+    torchrun --nproc-per-node 2 examples/gpt/train.py --threads 1   # one stage per rank, over gloo
+
+Under torchrun (one node or several) every rank runs this same script; rank 0 prints. With
+more ranks than stages (``--num-stages 2`` on 4 ranks) the rest are data-parallel replicas:
+each trains its own ``--batch-size`` windows of one global draw, so the losses are those of
+one process training ``--batch-size`` x replicas.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -19,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `
 import replica  # noqa: E402
 from examples.gpt.data import VOCAB_SIZE, decode, encode, get_batch, load_corpus, train_val_split  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig, loss_fn  # noqa: E402
+from replica.pipeline.schedule import stages_per_rank  # noqa: E402
+from replica.train.elastic import init_process_group  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -31,7 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--num-stages", type=int, default=4)
+    p.add_argument("--num-stages", type=int, default=None,
+                   help="default: 4 in one process; under torchrun, one per rank (two for interleaved / zb-v)")
     p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1 | interleaved | zb-v | auto")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -58,14 +69,41 @@ def estimate_loss(pm: replica.PipelineModel, data: torch.Tensor, args: argparse.
     generator = torch.Generator().manual_seed(args.seed + 1)  # the same windows every time
     losses = []
     for _ in range(num_batches):
-        x, y = get_batch(data, args.batch_size, args.block_size, generator)
+        x, y = my_share(*get_batch(data, args.batch_size * pm.data_parallel_size, args.block_size, generator), pm)
         logits = pm(x)  # (B, T, vocab_size): the pipelined forward, called like the model
         losses.append(loss_fn(logits, y).item())
-    return sum(losses) / len(losses)
+    loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
+    if torch.distributed.is_initialized():  # every rank of a replica holds its loss: the mean over replicas
+        torch.distributed.all_reduce(loss)
+        loss /= torch.distributed.get_world_size()
+    return float(loss)
+
+
+def first_rank() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def my_share(x: torch.Tensor, y: torch.Tensor, pm: replica.PipelineModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel replica's rows of a global batch (all of it without replicas)."""
+    rows = x.shape[0] // pm.data_parallel_size
+    mine = slice(pm.data_parallel_rank * rows, (pm.data_parallel_rank + 1) * rows)
+    return x[mine], y[mine]
+
+
+def whole_model(pm: replica.PipelineModel, model: GPT) -> GPT:
+    """The trained weights in one plain GPT. In one process that is ``model`` itself; under
+    torch.distributed each rank holds only its stages, so their weights are gathered."""
+    if not torch.distributed.is_initialized():
+        return model
+    parts: list[dict[str, torch.Tensor] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, pm.state_dict())
+    whole = GPT(model.config)
+    whole.load_state_dict({k: v for part in parts if part for k, v in part.items()})
+    return whole
 
 
 def train_with_trainer(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor,
-                       args: argparse.Namespace) -> None:
+                       args: argparse.Namespace, say: Callable[..., None] = print) -> None:
     """The same training through replica.get_trainer: windows of the corpus as a data set."""
     windows = torch.Generator().manual_seed(args.seed)
     x, y = get_batch(train_data, args.steps * args.batch_size, args.block_size, windows)  # (N, T), (N, T)
@@ -77,20 +115,23 @@ def train_with_trainer(model: GPT, train_data: torch.Tensor, val_data: torch.Ten
     trainer = replica.get_trainer(config=config, model=model, loss=loss_fn,
                                   optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
     trainer.train_dataset(x, y, epochs=1)
-    print(f"val loss {trainer.evaluate(x_val, y_val):.4f}")
+    say(f"val loss {trainer.evaluate(x_val, y_val):.4f}")
 
 
 def main() -> None:
     args = parse_args()
-    torch.manual_seed(args.seed)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one process per rank
+        init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    say = print if first_rank() else (lambda *_, **__: None)  # rank 0 speaks for all
+    torch.manual_seed(args.seed)  # every rank builds the same initial model
 
     # Data: bytes in, bytes out.
     data = load_corpus(args.data, args.max_bytes)
     train_data, val_data = train_val_split(data)
     generator = torch.Generator().manual_seed(args.seed)
-    print(f"corpus: {len(data):,} bytes ({len(train_data):,} train, {len(val_data):,} val)")
+    say(f"corpus: {len(data):,} bytes ({len(train_data):,} train, {len(val_data):,} val)")
 
     # Model: a plain nn.Module, written without a thought of pipelining.
     config = GPTConfig(
@@ -101,51 +142,65 @@ def main() -> None:
         n_embd=args.n_embd,
     )
     model = GPT(config)
-    print(f"model: {model.num_parameters():,} parameters")
+    say(f"model: {model.num_parameters():,} parameters")
 
     if args.trainer:
-        train_with_trainer(model, train_data, val_data, args)
-        return
+        train_with_trainer(model, train_data, val_data, args, say)
+    else:
+        train_with_loop(model, train_data, val_data, generator, args, say)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
+
+def train_with_loop(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor, generator: torch.Generator,
+                    args: argparse.Namespace, say: Callable[..., None]) -> None:
+    """The plain loop: auto_parallel, an ordinary optimizer, train_step; then a sample."""
     # Replica traces the model, prices it, cuts it into stages and schedules the micro-batches.
+    num_stages = args.num_stages
+    if num_stages is None and args.schedule != "auto":
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        num_stages = 4 if world == 1 else world * stages_per_rank(args.schedule)
     x_example, _ = get_batch(train_data, args.batch_size, args.block_size, torch.Generator().manual_seed(0))
     pm = replica.auto_parallel(
         model,
-        (x_example,),
-        num_stages=args.num_stages,
+        (x_example,),  # one replica's batch
+        num_stages=num_stages,
         num_microbatches=args.num_microbatches,
         schedule=args.schedule,
         loss_fn=loss_fn,
     )
-    print(pm.plan.summary())
+    say(pm.plan.summary())
 
-    # pm.parameters() are the model's own parameters, so any optimizer works unchanged.
+    # pm.parameters() are the model's own parameters (those this rank holds), so any optimizer works unchanged.
     optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.99))
-    tokens_per_step = args.batch_size * args.block_size
+    global_batch = args.batch_size * pm.data_parallel_size
+    tokens_per_step = global_batch * args.block_size
     t0 = time.perf_counter()
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
-        x, y = get_batch(train_data, args.batch_size, args.block_size, generator)  # (B, T), (B, T)
+        x, y = my_share(*get_batch(train_data, global_batch, args.block_size, generator), pm)  # (B, T), (B, T)
         optimizer.zero_grad(set_to_none=True)
-        loss = pm.train_step(x, y)  # every micro-batch forward and backward; mean loss over the batch
+        loss = pm.train_step(x, y)  # every micro-batch forward and backward; mean loss over the global batch
         optimizer.step()
         if step % args.log_every == 0 or step == args.steps - 1:
             elapsed = time.perf_counter() - t0
-            print(f"step {step:4d} | loss {float(loss):.4f} | lr {learning_rate(step, args):.2e} | "
-                  f"{tokens_per_step * (step + 1) / elapsed:,.0f} tokens/s")
-    print(f"trained {args.steps} steps in {time.perf_counter() - t0:.1f}s")
+            say(f"step {step:4d} | loss {float(loss):.4f} | lr {learning_rate(step, args):.2e} | "
+                f"{tokens_per_step * (step + 1) / elapsed:,.0f} tokens/s")
+    say(f"trained {args.steps} steps in {time.perf_counter() - t0:.1f}s")
 
     pm.eval()  # also the plain model: the stages share its modules
-    print(f"val loss {estimate_loss(pm, val_data, args):.4f}")
+    say(f"val loss {estimate_loss(pm, val_data, args):.4f}")
 
     # Sampling is eager and token by token, so it uses the plain model: same parameters, no pipeline.
-    prompt = encode("def ")[None, :]  # (1, T)
-    sample = model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=50,
-                            generator=torch.Generator().manual_seed(args.seed))
-    print("-" * 60)
-    print(decode(sample[0]))
-    print("-" * 60)
+    plain = whole_model(pm, model)
+    if first_rank():
+        prompt = encode("def ")[None, :]  # (1, T)
+        sample = plain.generate(prompt, args.sample_tokens, temperature=0.8, top_k=50,
+                                generator=torch.Generator().manual_seed(args.seed))
+        print("-" * 60)
+        print(decode(sample[0]))
+        print("-" * 60)
 
 
 if __name__ == "__main__":
