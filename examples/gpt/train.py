@@ -67,12 +67,13 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
 @torch.no_grad()
 def estimate_loss(pm: replica.PipelineModel, data: torch.Tensor, args: argparse.Namespace, num_batches: int = 8) -> float:
     generator = torch.Generator().manual_seed(args.seed + 1)  # the same windows every time
+    device = next(pm.model.parameters()).device
     losses = []
     for _ in range(num_batches):
         x, y = my_share(*get_batch(data, args.batch_size * pm.data_parallel_size, args.block_size, generator), pm)
-        logits = pm(x)  # (B, T, vocab_size): the pipelined forward, called like the model
-        losses.append(loss_fn(logits, y).item())
-    loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
+        logits = pm(x.to(device))  # (B, T, vocab_size): the pipelined forward, called like the model
+        losses.append(loss_fn(logits, y.to(device)).item())
+    loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=device)
     if torch.distributed.is_initialized():  # every rank of a replica holds its loss: the mean over replicas
         torch.distributed.all_reduce(loss)
         loss /= torch.distributed.get_world_size()
@@ -96,7 +97,7 @@ def whole_model(pm: replica.PipelineModel, model: GPT) -> GPT:
     if not torch.distributed.is_initialized():
         return model
     parts: list[dict[str, torch.Tensor] | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(parts, pm.state_dict())
+    torch.distributed.all_gather_object(parts, {k: v.detach().cpu() for k, v in pm.state_dict().items()})
     whole = GPT(model.config)
     whole.load_state_dict({k: v for part in parts if part for k, v in part.items()})
     return whole
@@ -122,8 +123,12 @@ def main() -> None:
     args = parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one process per rank
-        init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():  # NCCL carries CUDA tensors: each rank on its node's GPU
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        init_process_group("nccl" if device.type == "cuda" else "gloo")
     say = print if first_rank() else (lambda *_, **__: None)  # rank 0 speaks for all
     torch.manual_seed(args.seed)  # every rank builds the same initial model
 
@@ -141,7 +146,7 @@ def main() -> None:
         n_head=args.n_head,
         n_embd=args.n_embd,
     )
-    model = GPT(config)
+    model = GPT(config).to(device)  # the same weights on every rank: built under the same seed
     say(f"model: {model.num_parameters():,} parameters")
 
     if args.trainer:
@@ -155,6 +160,7 @@ def main() -> None:
 def train_with_loop(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor, generator: torch.Generator,
                     args: argparse.Namespace, say: Callable[..., None]) -> None:
     """The plain loop: auto_parallel, an ordinary optimizer, train_step; then a sample."""
+    device = next(model.parameters()).device  # a CPU, or this rank's GPU under torchrun
     # Replica traces the model, prices it, cuts it into stages and schedules the micro-batches.
     num_stages = args.num_stages
     if num_stages is None and args.schedule != "auto":
@@ -163,7 +169,7 @@ def train_with_loop(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor
     x_example, _ = get_batch(train_data, args.batch_size, args.block_size, torch.Generator().manual_seed(0))
     pm = replica.auto_parallel(
         model,
-        (x_example,),  # one replica's batch
+        (x_example.to(device),),  # one replica's batch
         num_stages=num_stages,
         num_microbatches=args.num_microbatches,
         schedule=args.schedule,
@@ -181,7 +187,8 @@ def train_with_loop(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor
             group["lr"] = learning_rate(step, args)
         x, y = my_share(*get_batch(train_data, global_batch, args.block_size, generator), pm)  # (B, T), (B, T)
         optimizer.zero_grad(set_to_none=True)
-        loss = pm.train_step(x, y)  # every micro-batch forward and backward; mean loss over the global batch
+        # every micro-batch forward and backward; the mean loss over the global batch
+        loss = pm.train_step(x.to(device), y.to(device))
         optimizer.step()
         if step % args.log_every == 0 or step == args.steps - 1:
             elapsed = time.perf_counter() - t0
