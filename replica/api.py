@@ -521,6 +521,23 @@ def _layout(
     return num_stages, num_stages, d
 
 
+def _use_the_model_device(model: torch.nn.Module) -> None:
+    """Under NCCL, make the model's GPU this process's current one, so the set-up's object
+    collectives (the plan, the graph's fingerprint) run there and not all on GPU 0; a model
+    NCCL cannot carry is refused before any collective can hang on it."""
+    if dist.get_backend() != "nccl":
+        return
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ConfigError(
+            f"the process group runs NCCL, which carries only CUDA tensors, but the model is on {device}. Move it "
+            "to this rank's GPU first (model.to(torch.device('cuda', int(os.environ['LOCAL_RANK'])))), or start "
+            "the group with init_process_group('gloo') to train on CPUs."
+        )
+    if device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def _agree_on_plan(plan: Plan | None, traced: Traced) -> Plan:
     """Rank 0's plan, on every rank; every rank's traced graph must be the one it was made for."""
     payload = [plan.to_json() if plan is not None else None]
@@ -613,6 +630,8 @@ def auto_parallel(
     traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer=tracer)
     inputs = traced.example
     world = dist.get_world_size() if _distributed() else 1
+    if world > 1:
+        _use_the_model_device(model)
     if plan is None and world > 1 and num_stages is not None and schedule != "auto":
         _layout(schedule, num_stages, data_parallel_size, world)  # on every rank: num_stages must fit the world
     if plan is None and (world == 1 or dist.get_rank() == 0):

@@ -190,6 +190,19 @@ def config_error_job(rank: int, world: int, num_layers_per_rank: tuple[int, ...]
     return {"type": None, "message": "auto_parallel succeeded"}
 
 
+def nccl_on_cpu_job(rank: int, world: int) -> dict:
+    """``auto_parallel`` of a CPU model in a group that says it runs NCCL (gloo underneath)."""
+    torch.distributed.barrier()
+    torch.distributed.get_backend = lambda group=None: "nccl"  # this process only: it exits after
+    model, inputs, _, loss_fn = models.tiny_gpt(8, num_layers=2, size_ops=True)
+    try:
+        replica.auto_parallel(model, inputs, num_stages=2, loss_fn=loss_fn, device=COMPUTE_BOUND,
+                              timeout_s=STEP_TIMEOUT_S)
+    except Exception as exc:
+        return {"is_config_error": isinstance(exc, replica.ConfigError), "message": str(exc)}
+    return {"is_config_error": False, "message": "auto_parallel succeeded"}
+
+
 # --------------------------------------------------------------------------- in the parent
 
 
@@ -493,3 +506,10 @@ def test_num_stages_must_divide_world_size():
         assert report["is_config_error"], (rank, report)
         message = report["message"]
         assert "num_stages=3" in message and "[1, 2]" in message, (rank, message)
+
+
+def test_a_cpu_model_under_nccl_is_refused_before_any_collective():
+    for rank, report in enumerate(_run(nccl_on_cpu_job, 2)):
+        assert report["is_config_error"], (rank, report)
+        message = report["message"]
+        assert "NCCL" in message and "cpu" in message and "init_process_group('gloo')" in message, (rank, message)
