@@ -130,6 +130,9 @@ def main() -> None:
             torch.cuda.set_device(device)
         init_process_group("nccl" if device.type == "cuda" else "gloo")
     say = print if first_rank() else (lambda *_, **__: None)  # rank 0 speaks for all
+    if args.num_stages is None and args.schedule != "auto":
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        args.num_stages = 4 if world == 1 else world * stages_per_rank(args.schedule)
     torch.manual_seed(args.seed)  # every rank builds the same initial model
 
     # Data: bytes in, bytes out.
@@ -162,15 +165,11 @@ def train_with_loop(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor
     """The plain loop: auto_parallel, an ordinary optimizer, train_step; then a sample."""
     device = next(model.parameters()).device  # a CPU, or this rank's GPU under torchrun
     # Replica traces the model, prices it, cuts it into stages and schedules the micro-batches.
-    num_stages = args.num_stages
-    if num_stages is None and args.schedule != "auto":
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        num_stages = 4 if world == 1 else world * stages_per_rank(args.schedule)
     x_example, _ = get_batch(train_data, args.batch_size, args.block_size, torch.Generator().manual_seed(0))
     pm = replica.auto_parallel(
         model,
         (x_example.to(device),),  # one replica's batch
-        num_stages=num_stages,
+        num_stages=args.num_stages,
         num_microbatches=args.num_microbatches,
         schedule=args.schedule,
         loss_fn=loss_fn,
