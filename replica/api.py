@@ -272,7 +272,7 @@ class _Planner:
         slowest (see :meth:`rebuilds`), even where that makes the stage a little slower than
         a free rebuild may. A rank that runs out of candidates keeps the rest of its peak."""
         found = self._rebuild_candidates(plan, batch_fraction)
-        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
+        schedule = plan_schedule(plan)
         where = placement(schedule)
         costs = self._stage_costs(schedule)
         sizes = plan.relative_microbatch_sizes
@@ -338,7 +338,7 @@ class _Planner:
 
     def _step_time(self, plan: Plan) -> Callable[[Plan], float]:
         """The simulated step of a plan like ``plan`` (same schedule and micro-batch sizes)."""
-        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
+        schedule = plan_schedule(plan)
         costs = self._stage_costs(schedule)
         sizes = plan.relative_microbatch_sizes
         return lambda p: simulate(schedule, costs(p), sizes=sizes).step_time_s
@@ -349,7 +349,7 @@ class _Planner:
         m = plan.num_microbatches
         if plan.num_stages == 1 or m < 2:
             return plan
-        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
+        schedule = plan_schedule(plan)
         device = device_spec(self.devices[0]) if self.devices else self.spec
         costs = stage_costs_from_plan(plan, schedule, device=device)
         batch = max(m, round(self.batch * batch_fraction))

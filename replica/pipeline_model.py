@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,12 @@ from replica.pipeline.weightgrad import defer_linear_weight_grads
 __all__ = ["PipelineModel", "plan_schedule"]
 
 
-def plan_schedule(plan: Plan, num_ranks: int | None, *, check: bool = True) -> Schedule:
+def plan_schedule(plan: Plan, num_ranks: int | None | Literal["plan"] = "plan", *, check: bool = True) -> Schedule:
     """The action lists of ``plan``, ordered by its own stage times: the planner and every
-    rank derive the same ones from the same plan."""
+    rank derive the same ones from the same plan. ``num_ranks`` defaults to the plan's own
+    pipeline ranks (``Plan.pipeline_ranks``); None leaves it to the schedule."""
+    if num_ranks == "plan":
+        num_ranks = plan.pipeline_ranks or None
     forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
     return make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks, check=check,
                          durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))

@@ -349,7 +349,7 @@ def _peaks_and_step(planner, plan):
     from replica.pipeline.simulate import simulate, stage_costs_from_plan
     from replica.pipeline_model import plan_schedule
 
-    schedule = plan_schedule(plan, plan.pipeline_ranks or None)
+    schedule = plan_schedule(plan)
     timeline = simulate(schedule, stage_costs_from_plan(plan, schedule, device=planner.spec),
                         sizes=plan.relative_microbatch_sizes)
     return timeline.peak_memory_bytes, timeline.step_time_s

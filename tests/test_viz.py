@@ -219,7 +219,7 @@ def test_a_plan_draws_the_schedule_it_runs(gpt):
                         cost="analytic")
     plan = dataclasses.replace(plan, microbatch_shares=(1 / 8, 3 / 8, 3 / 8, 1 / 8))
     fig = figures(plan)
-    schedule = plan_schedule(plan, plan.pipeline_ranks or None)
+    schedule = plan_schedule(plan)
     assert fig.schedule == schedule and fig.timeline.num_ranks == 2
     graded = simulate(schedule, stage_costs_from_plan(plan, schedule), sizes=[0.5, 1.5, 1.5, 0.5])
     assert fig.timeline.step_time_s == pytest.approx(graded.step_time_s)

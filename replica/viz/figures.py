@@ -100,7 +100,7 @@ def figures(
     if schedule is None:
         from replica.pipeline_model import plan_schedule  # imports torch
 
-        schedule = plan_schedule(plan, plan.pipeline_ranks or None)
+        schedule = plan_schedule(plan)
     spec = _spec(device) if device is not None else None
     if spec is None:
         from replica.partition.cost import PRESETS
