@@ -13,11 +13,12 @@ from replica.partition.plan import Plan
 from replica.partition.split import StageModule, split
 from replica.partition.trace import Traced
 from replica.pipeline import microbatch
-from replica.pipeline.distributed import DistributedRuntime, Topology
+from replica.pipeline.distributed import DistributedRuntime, Topology, sending_input_grads
 from replica.pipeline.heap import keep_freed_memory
 from replica.pipeline.local import LocalRuntime, LossFn
 from replica.pipeline.remat import rebuildable_norms
-from replica.pipeline.schedule import Schedule, durations_of, make_schedule, splits_backward, stage_scale_of
+from replica.pipeline.schedule import (Schedule, durations_of, make_schedule, placement, splits_backward,
+                                      stage_scale_of)
 from replica.pipeline.shapes import ShapeOracle
 from replica.pipeline.simulate import Timeline
 from replica.pipeline.weightgrad import defer_linear_weight_grads
@@ -63,9 +64,16 @@ class PipelineModel:
         self._frozen_mode = frozen_mode_ops(traced.module)
         self.all_stages: list[StageModule] = split(traced, plan)
         self.schedule = plan_schedule(plan, num_pipeline_ranks)
-        if splits_backward(self.schedule) or (_distributed() and plan.early_input_grads):
-            # linear weight gradients can wait: for their W action, or until the input gradients left
-            for stage in self.all_stages:
+        # linear weight gradients can wait: for their W action, or until the input gradients
+        # left. A stage that sends no input gradient (the first) keeps autograd's own linears:
+        # the rewrite would only cost it (about 3% of its step, benchmarks/RESULTS.md).
+        deferring: set[int] = set()
+        if splits_backward(self.schedule):
+            deferring = {s.stage_index for s in self.all_stages}
+        elif _distributed() and plan.early_input_grads:
+            deferring = sending_input_grads(self.all_stages, placement(self.schedule))
+        for stage in self.all_stages:
+            if stage.stage_index in deferring:
                 defer_linear_weight_grads(stage.module)
         if plan.pointwise_recompute or plan.rebuilds:
             for stage in self.all_stages:  # norms that note their eps, so that their outputs can be rebuilt

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,13 @@ from replica.pipeline.shapes import ShapeOracle, TensorMeta
 from replica.pipeline.simulate import Event, Timeline, simulate, stage_costs_from_plan
 from replica.pipeline.weightgrad import WeightGrads, collecting
 
-__all__ = ["Topology", "DistributedRuntime"]
+__all__ = ["Topology", "DistributedRuntime", "sending_input_grads"]
+
+
+def sending_input_grads(stages: Iterable[StageModule], place: dict[int, int]) -> set[int]:
+    """The stages that send an input gradient to another rank (``place``: stage -> rank):
+    the only ones whose backward gains by sending it before the weight gradients."""
+    return {st.stage_index for st in stages if any(place[src] != place[st.stage_index] for src in st.input_sources)}
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -106,8 +112,7 @@ class DistributedRuntime:
         self.split_backward = splits_backward(schedule)
         # A W right after its own B runs inside that backward, unless the B sends an input
         # gradient to another rank: fused, that gradient would wait for the weight gradients.
-        sends_back = {k for k, st in self.stages.items() if any(self.place[src] != self.place[k]
-                                                                for src in st.input_sources)}
+        sends_back = sending_input_grads(self.stages.values(), self.place)
         self.fused = {key for key in fused_weight_grads(self.actions) if key[0] not in sends_back}
         # Without W actions (GPipe, 1F1B, interleaved) a backward that sends an input gradient
         # to another rank still runs in two parts, inside its own action: input gradients,

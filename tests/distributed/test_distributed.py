@@ -20,6 +20,7 @@ import torch
 
 import replica
 from replica.launch import run_local
+from replica.pipeline import weightgrad
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 
@@ -105,6 +106,9 @@ def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: i
             "loss": loss.item(),
             "names": names,
             "stages": sorted(s.stage_index for s in pm.stages),
+            "early": pm.plan.early_input_grads,
+            "deferring": sorted(s.stage_index for s in pm.stages  # linears rewritten to defer weight gradients
+                                if any(n.target in (weightgrad.linear, weightgrad.addmm) for n in s.module.graph.nodes)),
             "tied_grad": _tied_grad(pm),
             "state_dict": {k: v.detach().clone() for k, v in pm.state_dict().items()},
             "forward_error": _forward_error(pm, ref, inputs),  # last: it may fail on one rank only
@@ -290,6 +294,9 @@ def test_tiny_gpt_tied_weight_gpipe_and_1f1b(gpt):
         assert [r["schedule"] for r in reports] == [schedule, schedule]
         assert [r["stages"] for r in reports] == [[0], [1]]
         _assert_pipeline_cut("tiny_gpt", reports)
+        # only stage 1 sends an input gradient back: only its linears defer their weight
+        # gradients (for early sending); stage 0 runs autograd's own
+        assert [r["deferring"] for r in reports] == ([[], [1]] if reports[0]["early"] else [[], []]), schedule
         # the embedding lives on rank 0, the head on rank 1: both hold the tied weight and
         # both get the full gradient (embedding's + head's), not just their own part
         grads = [r["tied_grad"] for r in reports]
@@ -305,6 +312,9 @@ def test_pointwise_recompute_keeps_gradients(gpt_pointwise):
     # sends input gradients first); ZB-H1 splits backward itself, so rank 1 rebuilds only what
     # the planner found as good as free
     assert [r["pointwise"] for r in rank0] == [{0: every}, {0: every}]
+    # ZB-H1's W actions need every stage's weight gradients deferred; 1F1B's only where an
+    # input gradient goes back to another rank
+    assert [r["deferring"] for r in rank0] == [[], [0]] and [r["deferring"] for r in rank1] == [[1], [1]]
     assert rank1[0]["pointwise"] == {1: every}
     assert rank1[1]["pointwise"] == ({1: sorted(kind for _, kind in rank1[1]["rebuilds"] if _ == 1)}
                                      if any(k == 1 for k, _ in rank1[1]["rebuilds"]) else {})
