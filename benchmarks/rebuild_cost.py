@@ -7,33 +7,37 @@ Variants of the planned pipeline (each against the plan as it is):
 
 - ``norm``: stage 0 also rebuilds LayerNorm outputs;
 - ``keep``: no stage rebuilds anything;
-- ``autograd-w``: a backward's weight gradients go through autograd's accumulation (a
-  temporary, then an add) instead of ``addmm_`` into ``.grad``.
+- ``rewrite-0``: stage 0's linears rewritten to collect their weight gradients
+  (``pipeline/weightgrad.py``), each added into ``.grad`` by ``addmm_`` inside the backward,
+  as before commit ae4faae; the plan runs autograd's own linears there, as a stage that
+  sends no input gradient back does now. (Until that commit this file measured the
+  reverse, ``autograd-w``: autograd's accumulation on a rewritten stage 0.)
 
 Prints, per variant, both median step times and the median over step pairs of variant over
-plan. Usage: ``python benchmarks/rebuild_cost.py [--steps 40] [--variants norm,keep,autograd-w]``.
+plan. Usage: ``python benchmarks/rebuild_cost.py [--steps 40] [--variants norm,keep,rewrite-0]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch.distributed as dist
+import torch.fx as fx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import replica  # noqa: E402
-import replica.pipeline.distributed as distributed  # noqa: E402
 from benchmarks.pipeline_vs_torch import build  # noqa: E402
 from examples.gpt.model import loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
-from replica.pipeline.weightgrad import WeightGrads  # noqa: E402
+from replica.pipeline.weightgrad import defer_linear_weight_grads  # noqa: E402
 
-VARIANTS = ("norm", "keep", "autograd-w")
+VARIANTS = ("norm", "keep", "rewrite-0")
 
 
 def job(rank: int, world: int, variant: str, steps: int) -> tuple[list[float], list[float], str]:
@@ -41,12 +45,17 @@ def job(rank: int, world: int, variant: str, steps: int) -> tuple[list[float], l
     pm = replica.auto_parallel(model, (x,), loss_fn=loss_fn, num_stages=2, num_microbatches=8, schedule="1f1b")
     runtime = pm.runtime
     planned = dict(runtime.pointwise_recompute)
-    alt = [False]
-    if variant == "autograd-w":  # the runtime's in-place collector off while the variant runs
-        distributed.WeightGrads = lambda now=False: None if now and alt[0] else WeightGrads(now=now)  # type: ignore
+    modules = {}
+    if variant == "rewrite-0" and 0 in runtime.stages:  # a rewritten twin sharing the stage's parameters
+        plain = runtime.stages[0].module
+        twin = fx.GraphModule(plain, copy.deepcopy(plain.graph))
+        if not defer_linear_weight_grads(twin):
+            raise SystemExit("rewrite-0: stage 0 has no linear to rewrite")
+        modules = {False: plain, True: twin}
 
     def use(variant_now: bool) -> None:
-        alt[0] = variant_now
+        if modules:
+            runtime.stages[0].module = modules[variant_now]
         runtime.pointwise_recompute = dict(planned)
         if variant_now and variant == "keep":
             runtime.pointwise_recompute = {}
