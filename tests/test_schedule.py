@@ -1,19 +1,27 @@
-"""Tests of schedules as data (``replica.pipeline.schedule``): golden grids, parsing, validation."""
+"""Tests of schedules as data (``replica.pipeline.schedule``, its base ``actions`` and ``replay``, and
+``zerobubble``): golden grids, parsing, the dependency rule, validation."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import replica
+from replica.pipeline.actions import dependencies, dependents
+from replica.pipeline.replay import play
 from replica.pipeline.schedule import (
+    INTERLEAVED,
     SCHEDULES,
+    V_SHAPED,
     Action,
     execution_order,
     format_grid,
     gpipe,
     interleaved_one_f_one_b,
+    list_schedule,
     make_schedule,
     one_f_one_b,
     placement,
@@ -316,3 +324,66 @@ def test_zero_bubble_interleaved_golden_grid():
 def test_zero_bubble_interleaved_is_valid_with_any_durations(p, v, m):
     for durations in ((1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 2.0, 0.5)):
         validate(make_schedule("zb-interleaved", p * v, m, p, durations=durations), p * v, m)
+
+
+# --------------------------------------------------------------------------- every generator's grid
+
+
+def _registered() -> dict[str, Any]:
+    return {**SCHEDULES, **INTERLEAVED, **V_SHAPED}
+
+
+@pytest.mark.parametrize("name", sorted(_registered()))
+def test_every_registered_schedule_draws_its_grid_and_makes_it(name):
+    """Each generator's docstring grid, at the sizes it shows (ranks, stages and micro-batches
+    read off the grid), is exactly what the generator makes in unit time."""
+    drawn = docstring_grid(_registered()[name])
+    assert drawn.count("\n") >= 1, f"{name}'s docstring draws no grid"
+    rows = [line.split(":", 1)[1].split() for line in drawn.splitlines()]
+    actions = [Action.parse(cell) for row in rows for cell in row if cell != "..."]
+    num_stages = max(a.stage_index for a in actions) + 1
+    num_microbatches = max(a.microbatch_index for a in actions) + 1
+    schedule = make_schedule(name, num_stages, num_microbatches, len(rows))
+    assert schedule == [[Action.parse(c) for c in row if c != "..."] for row in rows]
+    assert format_grid(schedule, num_stages) == drawn
+
+
+# --------------------------------------------------------------------------- the dependency rule
+
+
+def test_dependencies_follow_the_chain():
+    assert dependencies(Action.parse("0F1"), 3) == ()
+    assert dependencies(Action.parse("2F1"), 3) == (Action.parse("1F1"),)
+    assert dependencies(Action.parse("1B1"), 3) == (Action.parse("1F1"), Action.parse("2B1"))
+    assert dependencies(Action.parse("2B1"), 3) == (Action.parse("2F1"),)  # the last stage starts the backward
+    assert dependencies(Action.parse("1W0"), 3) == (Action.parse("1B0"),)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 4])
+def test_dependents_are_dependencies_read_backwards(num_stages):
+    every = [Action(s, k, i) for s in range(num_stages) for k in "FBW" for i in range(2)]
+    for a in every:
+        assert set(dependents(a, num_stages)) == {c for c in every if a in dependencies(c, num_stages)}
+
+
+def test_play_in_unit_time_is_the_grid():
+    events = play(one_f_one_b(2, 2), lambda a: 1.0)
+    assert sorted((e.start_s, e.rank, str(e.action)) for e in events) == [
+        (0, 0, "0F0"), (1, 0, "0F1"), (1, 1, "1F0"), (2, 1, "1B0"), (3, 0, "0B0"), (3, 1, "1F1"), (4, 1, "1B1"),
+        (5, 0, "0B1")]
+
+
+def test_play_waits_for_arrival():
+    # every dependency arrives 0.5 after it ends: the F of stage 1 starts at 1.5
+    events = {str(e.action): e for e in play(gpipe(2, 1), lambda a: 1.0, arrival=lambda dep, a: dep.end_s + 0.5)}
+    assert (events["1F0"].start_s, events["1B0"].start_s, events["0B0"].start_s) == (1.5, 3.0, 4.5)
+
+
+def test_play_names_every_stuck_rank():
+    with pytest.raises(replica.ScheduleError, match="rank 0 at 0B0 waits for 1B0, rank 1 at 1F1 waits for 0F1"):
+        play(parse(["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"]), lambda a: 1.0)
+
+
+def test_list_schedule_runs_each_action_after_its_dependencies():
+    schedule = list_schedule([0, 1, 1, 0], 3, split_backward=True, admit=[4, 3], durations=(1.0, 1.5, 0.5))
+    validate(schedule, 4, 3)

@@ -78,6 +78,16 @@ def test_unit_costs_replay_the_schedule_grid(name, n, m):
     assert simulate(schedule, uniform(n, 1, 1, 1)).step_time_s == width
 
 
+@pytest.mark.parametrize("name, n, m", [("1f1b", 3, 4), ("interleaved", 4, 4), ("zb-interleaved", 4, 4),
+                                        ("zb-v", 4, 4)])
+def test_unit_costs_start_each_action_at_its_grid_tick(name, n, m):
+    """The simulator and the drawn grids read the same dependency rule."""
+    schedule = make_schedule(name, n, m)
+    grid = [line.split()[2:] for line in format_grid(schedule, n).splitlines()]
+    drawn = {(rank, cell): tick for rank, row in enumerate(grid) for tick, cell in enumerate(row) if cell != "..."}
+    assert {(e.rank, str(e.action)): e.start_s for e in simulate(schedule, uniform(n, 1, 1, 1)).events} == drawn
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("m", [1, 3, 7])
 def test_one_stage_step_time(name, m):

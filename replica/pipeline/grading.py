@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from replica.pipeline import microbatch
-from replica.pipeline.schedule import Action
+from replica.pipeline.actions import Action
 from replica.pipeline.simulate import StageCosts, simulate
 
 __all__ = ["grade"]

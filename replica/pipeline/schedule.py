@@ -1,67 +1,38 @@
 """Pipeline schedules as data: pure functions of integers returning per-rank action lists.
 
-An :class:`Action` is ``(stage_index, kind, microbatch_index)`` and prints as ``2F0``
-(stage 2, forward, micro-batch 0); ``B`` is a backward, ``W`` a deferred weight
-gradient. ``schedule[rank]`` is the ordered list of actions that rank runs. The
-runtimes, the simulator and the visualizer all read these lists; nothing here
-imports torch.
+``schedule[rank]`` is the ordered list of :class:`~replica.pipeline.actions.Action` that
+rank runs (``2F0``: stage 2, forward, micro-batch 0; ``B`` a backward, ``W`` a deferred
+weight gradient). This module holds the 1F1B family, the zero-bubble ones
+(:mod:`replica.pipeline.zerobubble`) by name, the one a plan runs (:func:`plan_schedule`),
+and what is read off a schedule: validation, in-flight micro-batches, a serial order, the
+drawn grid. The runtimes, the simulator and
+the visualizer all read these lists; nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import collections
-import heapq
-import re
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from replica.errors import ScheduleError
+from replica.pipeline.actions import (BACKWARD, FORWARD, KINDS, WEIGHT, Action, Schedule, check_looped,
+                                      check_sizes, placement, splits_backward)
+from replica.pipeline.replay import play
+from replica.pipeline.zerobubble import list_schedule, zero_bubble_h1, zero_bubble_interleaved, zero_bubble_v
+
+if TYPE_CHECKING:
+    from replica.partition.plan import Plan
 
 __all__ = [
-    "Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zero_bubble_h1",
-    "zero_bubble_v", "zero_bubble_interleaved", "list_schedule", "SCHEDULES", "INTERLEAVED", "V_SHAPED", "make_schedule",
-    "stages_per_rank", "splits_backward", "fused_weight_grads", "max_in_flight", "WEIGHT_SHARE", "durations_of",
-    "validate", "placement", "execution_order", "format_grid",
+    "Action", "Schedule", "FORWARD", "BACKWARD", "WEIGHT", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
+    "zero_bubble_h1", "zero_bubble_v", "zero_bubble_interleaved", "list_schedule", "SCHEDULES", "INTERLEAVED",
+    "V_SHAPED", "make_schedule", "plan_schedule", "stages_per_rank", "splits_backward", "fused_weight_grads",
+    "max_in_flight", "WEIGHT_SHARE", "durations_of", "stage_scale_of", "validate", "placement", "execution_order",
+    "format_grid",
 ]
 
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
-_ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
-
-
-class Action(NamedTuple):
-    stage_index: int
-    kind: str
-    microbatch_index: int
-
-    def __str__(self) -> str:
-        return f"{self.stage_index}{self.kind}{self.microbatch_index}"
-
-    @classmethod
-    def parse(cls, text: str) -> "Action":
-        match = _ACTION.match(text.strip())
-        if not match:
-            raise ScheduleError(f"cannot parse action {text!r}; expected e.g. '2F0' (stage, F/B/W, micro-batch)")
-        return cls(int(match[1]), match[2], int(match[3]))
-
-
-Schedule = list[list[Action]]
-
-
-def _check(num_stages: int, num_microbatches: int) -> None:
-    if num_stages < 1 or num_microbatches < 1:
-        raise ScheduleError(
-            f"a schedule needs num_stages >= 1 and num_microbatches >= 1, got {num_stages} and {num_microbatches}"
-        )
-
-
-def _check_looped(what: str, num_ranks: int, num_stages: int, num_microbatches: int) -> None:
-    """Looped placement needs several stages on every rank."""
-    _check(num_stages, num_microbatches)
-    p = num_ranks
-    if p < 1 or num_stages % p or num_stages == p:
-        raise ScheduleError(
-            f"{what} needs num_stages a multiple (>= 2x) of the {p} pipeline ranks, got "
-            f"num_stages={num_stages}; use num_stages={2 * p} (2 stages per rank) or the '1f1b' schedule"
-        )
+# Of a backward, the share that is linear-layer weight gradients (W) in a transformer:
+# the simulator and the zero-bubble durations (:func:`durations_of`) both assume it.
+WEIGHT_SHARE = 0.4
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -74,7 +45,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
     Every rank keeps the activations of all ``num_microbatches`` micro-batches.
     """
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     m = range(num_microbatches)
     return [[Action(s, FORWARD, i) for i in m] + [Action(s, BACKWARD, i) for i in m] for s in range(num_stages)]
 
@@ -89,7 +60,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 
     Rank r holds at most ``num_stages - r`` micro-batches' activations.
     """
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     schedule: Schedule = []
     for s in range(num_stages):
         warmup = min(num_stages - 1 - s, num_microbatches)
@@ -111,7 +82,7 @@ def interleaved_one_f_one_b(num_ranks: int, num_stages: int, num_microbatches: i
         rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 ... 2B2 ... 2B3 0B2 0B3
         rank 1: ... 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3 ...
     """
-    _check_looped("interleaved 1F1B", num_ranks, num_stages, num_microbatches)
+    check_looped("interleaved 1F1B", num_ranks, num_stages, num_microbatches)
     p = num_ranks
     if num_microbatches % p:
         raise ScheduleError(
@@ -139,184 +110,6 @@ def interleaved_one_f_one_b(num_ranks: int, num_stages: int, num_microbatches: i
     return schedule
 
 
-def list_schedule(
-    stage_ranks: Sequence[int],
-    num_microbatches: int,
-    *,
-    split_backward: bool,
-    admit: Sequence[int],
-    durations: tuple[float, float, float] = (1.0, 1.0, 1.0),
-) -> Schedule:
-    """Greedy list scheduling: whenever a rank is free it runs a ready B (it unblocks the
-    ranks upstream), else the F of its deepest stage that is ready (entering a new
-    micro-batch into its first stage only while fewer than ``admit[rank]`` micro-batches
-    hold activations there), else a deferred W (which also frees activations); with
-    nothing ready it waits for the next action anywhere to finish. ``durations`` are the
-    relative times of F, B and W (unit ticks by default). ``stage_ranks[s]`` places stage
-    s. Pure and deterministic.
-    """
-    num_stages = len(stage_ranks)
-    num_ranks = max(stage_ranks) + 1
-    length = {FORWARD: durations[0], BACKWARD: durations[1], WEIGHT: durations[2]}
-    mine = [[s for s in range(num_stages) if stage_ranks[s] == r] for r in range(num_ranks)]
-    deepest_first = [sorted(stages, reverse=True) for stages in mine]
-    forwarded: dict[tuple[int, int], float] = {}  # (stage, micro-batch) -> when its F ends
-    next_f = [0] * num_stages
-    held = [0] * num_ranks  # micro-batches with activations alive on the rank's first stage
-    ready_b: list[list[tuple[float, int, int]]] = [[] for _ in range(num_ranks)]  # (ready at, i, -s)
-    pending_w: list[collections.deque[tuple[float, Action]]] = [collections.deque() for _ in range(num_ranks)]
-    schedule: Schedule = [[] for _ in range(num_ranks)]
-    running: list[tuple[float, int, int, int, str]] = []  # heap of (end, rank, stage, micro-batch, kind)
-    free_ranks = [(0.0, r) for r in range(num_ranks)]  # heap of (free at, rank)
-    waiting: list[int] = []  # ranks that found nothing ready; they look again after the next event
-    remaining = num_stages * num_microbatches * (3 if split_backward else 2)
-
-    def finish(end: float, r: int, a: Action) -> None:
-        s, kind, i = a
-        if kind == FORWARD:
-            forwarded[(s, i)] = end
-            if s == num_stages - 1:
-                heapq.heappush(ready_b[r], (end, i, -s))
-        elif kind == BACKWARD:
-            if s > 0:
-                heapq.heappush(ready_b[stage_ranks[s - 1]], (end, i, -(s - 1)))
-            if split_backward:
-                pending_w[r].append((end, Action(s, WEIGHT, i)))
-            elif s == mine[r][0]:
-                held[r] -= 1
-        elif s == mine[r][0]:
-            held[r] -= 1
-
-    while remaining:
-        if not free_ranks:  # every free rank waits: jump to the next action's end
-            if not running:
-                raise ScheduleError("list scheduling stalled: the admission limits are too small")
-            t = running[0][0]
-            free_ranks = [(t, q) for q in waiting]
-            heapq.heapify(free_ranks)
-            waiting = []
-        now, r = heapq.heappop(free_ranks)
-        settled = False
-        while running and running[0][0] <= now:
-            end, q, s_, i_, k_ = heapq.heappop(running)
-            finish(end, q, Action(s_, k_, i_))
-            settled = True
-        if settled and waiting:  # what just ended may have readied the waiting ranks
-            for q in waiting:
-                heapq.heappush(free_ranks, (now, q))
-            waiting = []
-        choice: Action | None = None
-        if ready_b[r] and ready_b[r][0][0] <= now:
-            _, i, neg = heapq.heappop(ready_b[r])
-            choice = Action(-neg, BACKWARD, i)
-        else:
-            for s in deepest_first[r]:
-                i = next_f[s]
-                if i >= num_microbatches or (s > 0 and forwarded.get((s - 1, i), float("inf")) > now):
-                    continue
-                if s == mine[r][0] and held[r] >= admit[r]:
-                    continue
-                choice = Action(s, FORWARD, i)
-                next_f[s] += 1
-                held[r] += s == mine[r][0]
-                break
-        if choice is None and pending_w[r] and pending_w[r][0][0] <= now:
-            choice = pending_w[r].popleft()[1]
-        if choice is None:
-            waiting.append(r)
-            continue
-        end = now + length[choice.kind]
-        schedule[r].append(choice)
-        heapq.heappush(running, (end, r, choice.stage_index, choice.microbatch_index, choice.kind))
-        heapq.heappush(free_ranks, (end, r))
-        remaining -= 1
-    return schedule
-
-
-# Of a backward, the share that is linear-layer weight gradients (W) in a transformer:
-# the simulator and the zero-bubble generators both assume it.
-WEIGHT_SHARE = 0.4
-
-
-def zero_bubble_h1(
-    num_stages: int, num_microbatches: int, *, durations: tuple[float, float, float] = (1.0, 1.0, 1.0)
-) -> Schedule:
-    """ZB-H1: 1F1B's order and memory (rank r admits ``num_stages - r`` micro-batches), with
-    each backward split into B (input gradient, sent upstream at once) and W (weight
-    gradient) deferred into what would be the bubbles. For 3 stages, 4 micro-batches::
-
-        rank 0: 0F0 0F1 0F2 ... ... 0B0 0W0 0F3 0B1 0W1 ... 0B2 0W2 ... 0B3 0W3
-        rank 1: ... 1F0 1F1 ... 1B0 1W0 1F2 1B1 1W1 1F3 1B2 1W2 ... 1B3 1W3 ...
-        rank 2: ... ... 2F0 2B0 2W0 2F1 2B1 2W1 2F2 2B2 2W2 2F3 2B3 2W3 ... ...
-    """
-    _check(num_stages, num_microbatches)
-    return list_schedule(list(range(num_stages)), num_microbatches, split_backward=True,
-                         admit=[num_stages - r for r in range(num_stages)], durations=durations)
-
-
-def zero_bubble_v(
-    num_stages: int, num_microbatches: int, *, durations: tuple[float, float, float] = (1.0, 1.0, 1.0),
-    stage_scale: Sequence[float] | None = None,
-) -> Schedule:
-    """ZB-V: ``num_stages = 2P`` stages on P ranks in a V (rank r holds stages r and
-    2P-1-r, so the first and the last stage share rank 0), split backward, W in the
-    bubbles. Rank r admits ``2P - r`` micro-batches into its first stage: never more than
-    the first rank holds (the most of any, as in 1F1B), and enough that the later ranks
-    keep their second stage fed (with ``2(P - r)`` a 4-rank V kept a 20% bubble).
-    ``durations`` (relative F, B, W times; the runtime passes the plan's) shape the order;
-    in unit time, for 4 stages on 2 ranks, 4 micro-batches::
-
-        rank 0: 0F0 0F1 0F2 3F0 3B0 3F1 3B1 0B0 0F3 0B1 3W0 3F2 3B2 3W1 0W0 0B2 0W1 3F3 3B3 3W2 0W2 0B3 3W3 0W3 ...
-        rank 1: ... 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 1F2 2F2 2W0 1W0 2B2 1B2 1F3 2F3 2W1 1W1 2B3 1B3 2W2 1W2 2W3 1W3
-    """
-    _check(num_stages, num_microbatches)
-    if num_stages % 2:
-        raise ScheduleError(
-            f"V placement needs an even num_stages (two per rank), got {num_stages}; use {num_stages + 1}"
-        )
-    p = num_stages // 2
-    ranks = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
-    # A greedy list schedule is not monotonic in its admission limits: try a few, each
-    # rank never above 2P - r (so no rank outgrows the first), keep the shortest, timed
-    # with ``stage_scale`` (each stage's relative time; 1 for all by default).
-    from replica.pipeline.simulate import StageCosts, simulate  # simulate imports this module
-
-    scale = list(stage_scale) if stage_scale is not None and len(stage_scale) == num_stages else [1.0] * num_stages
-    costs = [StageCosts(forward_s=durations[0] * k, backward_s=durations[1] * k, weight_s=durations[2] * k)
-             for k in scale]
-    best: tuple[float, Schedule] | None = None
-    for top, slope in ((2 * p, 1), (2 * p - 1, 0), (2 * p, 0), (2 * p - 1, 1), (2 * p, 2)):
-        admit = [min(2 * p - r, max(1, top - slope * r)) for r in range(p)]
-        try:
-            schedule = list_schedule(ranks, num_microbatches, split_backward=True, admit=admit, durations=durations)
-        except ScheduleError:  # these limits stall the greedy: not a candidate
-            continue
-        step = simulate(schedule, costs).step_time_s
-        if best is None or step < best[0] - 1e-9:
-            best = (step, schedule)
-    assert best is not None  # (2P, 1) is 2P - r: it never stalls
-    return best[1]
-
-
-def zero_bubble_interleaved(
-    num_ranks: int, num_stages: int, num_microbatches: int, *,
-    durations: tuple[float, float, float] = (1.0, 1.0, 1.0),
-) -> Schedule:
-    """Interleaved zero bubble: looped placement (rank r holds stages r, r + P, ...), split
-    backward, W in the bubbles; each rank admits as many micro-batches into its first stage
-    as interleaved 1F1B keeps in flight there. For 2 ranks, 4 stages, 4 micro-batches::
-
-        rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 2W0 0B0 2B1 0W0 0B1 0F3 2F2 2W1 0W1 2B2 2W2 0B2 2F3 0W2 ... 2B3 2W3 0B3 0W3
-        rank 1: ... 1F0 1F1 3F0 3B0 3F1 1B0 3B1 3W0 1B1 1W0 1F2 3W1 3F2 3B2 1W1 1B2 1F3 3W2 3F3 3B3 1W2 1B3 3W3 1W3
-    """
-    _check_looped("interleaved zero bubble", num_ranks, num_stages, num_microbatches)
-    p = num_ranks
-    v = num_stages // p
-    admit = [min(num_microbatches, (p - r - 1) * 2 // v + p) for r in range(p)]
-    return list_schedule([s % p for s in range(num_stages)], num_microbatches, split_backward=True, admit=admit,
-                         durations=durations)
-
-
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1,
 }
@@ -328,10 +121,6 @@ def stages_per_rank(name: str) -> int:
     """How many stages the named schedule puts on each pipeline rank by default."""
     return 2 if name.lower() in INTERLEAVED or name.lower() in V_SHAPED else 1
 
-
-def splits_backward(schedule: Sequence[Sequence[Action]]) -> bool:
-    """Whether a schedule runs weight gradients (W) apart from input gradients (B)."""
-    return any(a.kind == WEIGHT for actions in schedule for a in actions)
 
 
 def fused_weight_grads(actions: Sequence[Action]) -> set[tuple[int, int]]:
@@ -401,46 +190,24 @@ def durations_of(forward_s: Sequence[float], backward_s: Sequence[float]) -> tup
     return (1.0, round(b * (1 - WEIGHT_SHARE) / f, 2), round(b * WEIGHT_SHARE / f, 2))
 
 
-def placement(schedule: Sequence[Sequence[Action]]) -> dict[int, int]:
-    """``{stage_index: rank}``; each stage must live on exactly one rank."""
-    where: dict[int, int] = {}
-    for rank, actions in enumerate(schedule):
-        for a in actions:
-            if where.setdefault(a.stage_index, rank) != rank:
-                raise ScheduleError(f"stage {a.stage_index} appears on ranks {where[a.stage_index]} and {rank}")
-    return where
-
-
-def _dependencies(a: Action, num_stages: int) -> list[Action]:
-    s, kind, i = a
-    if kind == FORWARD:
-        return [Action(s - 1, FORWARD, i)] if s > 0 else []
-    if kind == BACKWARD:
-        return [Action(s, FORWARD, i)] + ([Action(s + 1, BACKWARD, i)] if s < num_stages - 1 else [])
-    return [Action(s, BACKWARD, i)]
+def plan_schedule(plan: "Plan", num_ranks: int | None | Literal["plan"] = "plan", *, check: bool = True) -> Schedule:
+    """The action lists of ``plan``, ordered by its own stage times: the planner and every
+    rank derive the same ones from the same plan. ``num_ranks`` defaults to the plan's own
+    pipeline ranks (``Plan.pipeline_ranks``); None leaves it to the schedule."""
+    if num_ranks == "plan":
+        num_ranks = plan.pipeline_ranks or None
+    forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
+    return make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks, check=check,
+                         durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))
 
 
 def _ticks(schedule: Sequence[Sequence[Action]], num_stages: int) -> list[list[Action | None]]:
-    """Unit-time replay: in each tick every rank runs its next action if its dependencies
-    finished in an earlier tick. Raises ``ScheduleError`` on a deadlock."""
-    done: set[Action] = set()
-    cursor = [0] * len(schedule)
+    """Unit-time replay: every rank runs its next action in the first tick after its
+    dependencies finished (``None``: idle). Raises ``ScheduleError`` on a deadlock."""
     grid: list[list[Action | None]] = [[] for _ in schedule]
-    remaining = sum(len(r) for r in schedule)
-    while remaining:
-        ready = []
-        for rank, actions in enumerate(schedule):
-            a = actions[cursor[rank]] if cursor[rank] < len(actions) else None
-            ready.append(a if a is not None and all(d in done for d in _dependencies(a, num_stages)) else None)
-        if not any(ready):
-            stuck = [str(actions[cursor[r]]) for r, actions in enumerate(schedule) if cursor[r] < len(actions)]
-            raise ScheduleError(f"schedule deadlocks: every rank waits (next actions {stuck})")
-        for rank, a in enumerate(ready):
-            grid[rank].append(a)
-            if a is not None:
-                done.add(a)
-                cursor[rank] += 1
-                remaining -= 1
+    for e in play(schedule, lambda a: 1.0, num_stages=num_stages):
+        row = grid[e.rank]
+        row += [None] * (int(e.start_s) - len(row)) + [e.action]
     return grid
 
 
@@ -450,7 +217,7 @@ def validate(schedule: Sequence[Sequence[Action]], num_stages: int, num_microbat
     seen: dict[Action, int] = {}
     for actions in schedule:
         for a in actions:
-            if a.kind not in (FORWARD, BACKWARD, WEIGHT):
+            if a.kind not in KINDS:
                 raise ScheduleError(f"action {a} has kind {a.kind!r}; kinds are F, B and W")
             if not (0 <= a.stage_index < num_stages and 0 <= a.microbatch_index < num_microbatches):
                 raise ScheduleError(
@@ -460,7 +227,7 @@ def validate(schedule: Sequence[Sequence[Action]], num_stages: int, num_microbat
     twice = sorted(str(a) for a, c in seen.items() if c > 1)
     if twice:
         raise ScheduleError(f"actions appear more than once: {twice[:6]}")
-    kinds = (FORWARD, BACKWARD, WEIGHT) if any(a.kind == WEIGHT for a in seen) else (FORWARD, BACKWARD)
+    kinds = KINDS if any(a.kind == WEIGHT for a in seen) else (FORWARD, BACKWARD)
     for s in range(num_stages):
         for i in range(num_microbatches):
             for kind in kinds:  # W for every (stage, micro-batch) or for none

@@ -1,8 +1,8 @@
 """Playing per-rank action lists against per-stage costs: the timeline a schedule would produce.
 
-Each rank runs its actions strictly in list order; an action starts when its rank is
-free and its dependencies have finished, plus the transfer time where a dependency
-lives on another rank::
+:func:`replica.pipeline.replay.play` runs each rank's actions in list order under the
+dependency rule (:func:`replica.pipeline.actions.dependencies`); here each action takes
+its stage's seconds, and a dependency on another rank arrives a transfer later::
 
     F(s, i)  after  F(s-1, i) + send(s-1)          (send only across ranks)
     B(s, i)  after  F(s, i),  B(s+1, i) + send(s)  (the gradient of stage s's outputs comes back)
@@ -12,30 +12,20 @@ A B's input gradient may leave for another rank before the B ends (the runtimes 
 before a whole backward's weight gradients): there B(s, i) waits only for the first
 ``input_grad_share`` of B(s+1, i).
 
-Transfers overlap compute and never contend for a link. Every action is looked at a
-bounded number of times (once per missing dependency, at most two, plus once to run),
-so :func:`simulate` is O(total actions), plus one sort of the events. Nothing here imports
-torch; :func:`stage_costs_from_plan` reaches into the partitioner (which does) when called.
+Transfers overlap compute and never contend for a link. :func:`simulate` is O(total
+actions), plus one sort of the events. Nothing here imports torch;
+:func:`stage_costs_from_plan` reaches into the partitioner (which does) when called.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from replica.errors import ConfigError, ScheduleError
-from replica.pipeline.schedule import (
-    BACKWARD,
-    FORWARD,
-    WEIGHT,
-    WEIGHT_SHARE,
-    Action,
-    make_schedule,
-    max_in_flight,
-    placement,
-    splits_backward,
-)
+from replica.pipeline.actions import BACKWARD, FORWARD, WEIGHT, Action, placement, splits_backward
+from replica.pipeline.replay import Event, play
+from replica.pipeline.schedule import WEIGHT_SHARE, make_schedule, max_in_flight
 
 if TYPE_CHECKING:
     from replica.partition.cost import DeviceSpec
@@ -78,16 +68,6 @@ class StageCosts:
                 raise ConfigError(f"StageCosts.{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0 <= self.input_grad_share <= 1:
             raise ConfigError(f"StageCosts.input_grad_share is a share of B, in [0, 1]; got {self.input_grad_share!r}")
-
-
-@dataclass(frozen=True)
-class Event:
-    """One action run on one rank from ``start_s`` to ``end_s``."""
-
-    rank: int
-    action: Action
-    start_s: float
-    end_s: float
 
 
 @dataclass(frozen=True)
@@ -196,23 +176,6 @@ def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageC
     return tuple(peaks)
 
 
-def _dependencies(a: Action, where: dict[int, int], costs: Sequence[StageCosts],
-                  size: float = 1.0) -> list[tuple[Action, float]]:
-    """What ``a`` waits for, each with the transfer delay after it ends."""
-    s, kind, i = a
-    here = where[s]
-    if kind == FORWARD:
-        if s == 0:
-            return []
-        return [(Action(s - 1, FORWARD, i), costs[s - 1].send_s * size if where.get(s - 1, here) != here else 0.0)]
-    if kind == BACKWARD:
-        deps = [(Action(s, FORWARD, i), 0.0)]
-        if s + 1 in where:
-            deps.append((Action(s + 1, BACKWARD, i), costs[s].send_s * size if where[s + 1] != here else 0.0))
-        return deps
-    return [(Action(s, BACKWARD, i), 0.0)]
-
-
 def _duration(a: Action, costs: Sequence[StageCosts], size: float = 1.0) -> float:
     """Seconds of ``a`` on a micro-batch ``size`` times the even one: the fixed part, plus the
     rest in proportion."""
@@ -244,46 +207,24 @@ def simulate(
         )
     if allreduce_s and len(allreduce_s) != num_ranks:
         raise ConfigError(f"allreduce_s has {len(allreduce_s)} entries for {num_ranks} ranks; pass one per rank")
-    end: dict[Action, float] = {}
-    sent: dict[Action, float] = {}  # when a B's input gradient left for another rank
+
+    def duration(a: Action) -> float:
+        return _duration(a, costs, sizes[a.microbatch_index] if sizes else 1.0)
+
+    def arrival(dep: Event, a: Action) -> float:
+        """When ``dep``'s output (or input gradient) reaches ``a``'s rank."""
+        if dep.rank == where[a.stage_index]:
+            return dep.end_s
+        left = dep.end_s  # a B's input gradient leaves after its first input_grad_share
+        if dep.action.kind == BACKWARD:
+            left = dep.start_s + (dep.end_s - dep.start_s) * costs[dep.action.stage_index].input_grad_share
+        link = costs[min(a.stage_index, dep.action.stage_index)].send_s  # the link between the two stages
+        return left + link * (sizes[a.microbatch_index] if sizes else 1.0)
+
+    events = play(schedule, duration, num_stages=num_stages, arrival=arrival)
     free = [0.0] * num_ranks
-    cursor = [0] * num_ranks
-    waiting: dict[Action, list[int]] = {}
-    blocked_on: dict[int, Action] = {}
-    ready = deque(range(num_ranks))
-    events: list[Event] = []
-    while ready:
-        r = ready.popleft()
-        actions = schedule[r]
-        while cursor[r] < len(actions):
-            a = actions[cursor[r]]
-            start = free[r]
-            missing = None
-            size = sizes[a.microbatch_index] if sizes else 1.0
-            for dep, delay in _dependencies(a, where, costs, size):
-                if dep not in end:
-                    missing = dep
-                    break
-                across = dep.kind == BACKWARD and where[dep.stage_index] != r
-                start = max(start, (sent[dep] if across else end[dep]) + delay)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(r)
-                blocked_on[r] = missing
-                break
-            finish = start + _duration(a, costs, size)
-            end[a] = finish
-            if a.kind == BACKWARD:
-                sent[a] = start + (finish - start) * costs[a.stage_index].input_grad_share
-            free[r] = finish
-            cursor[r] += 1
-            events.append(Event(r, a, start, finish))
-            for other in waiting.pop(a, ()):
-                del blocked_on[other]
-                ready.append(other)
-    if blocked_on:
-        stuck = ", ".join(f"rank {r} at {schedule[r][cursor[r]]} waits for {d}"
-                          for r, d in sorted(blocked_on.items()))
-        raise ScheduleError(f"schedule deadlocks: {stuck}; check each rank's order against the F/B/W dependencies")
+    for e in events:
+        free[e.rank] = e.end_s
     ends = [free[r] + (allreduce_s[r] if allreduce_s else 0.0) for r in range(num_ranks)]
     return Timeline.from_events(events, num_ranks=num_ranks, costs=costs, step_time_s=max(ends, default=0.0),
                                 sizes=sizes)

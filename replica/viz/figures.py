@@ -9,7 +9,8 @@ from typing import Any, Mapping, Sequence
 
 from replica.errors import ConfigError
 from replica.partition.plan import Plan
-from replica.pipeline.schedule import FORWARD, Action, placement
+from replica.pipeline.actions import FORWARD, Action, placement
+from replica.pipeline.schedule import plan_schedule
 from replica.pipeline.simulate import Timeline, simulate, stage_costs_from_plan
 
 __all__ = ["StageTimes", "Figures", "figures", "stage_colour", "KIND_COLOURS", "MEMORY_COLOURS",
@@ -98,8 +99,6 @@ def figures(
     """
     plan, schedule = _unwrap(plan_or_pipeline)
     if schedule is None:
-        from replica.pipeline_model import plan_schedule  # imports torch
-
         schedule = plan_schedule(plan)
     spec = _spec(device) if device is not None else None
     if spec is None:
