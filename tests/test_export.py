@@ -99,3 +99,70 @@ def test_exported_models_train_exactly(schedule, num_stages):
     with torch.no_grad():
         out = pm(ids)  # the model's own output type: a dict, re-assembled from micro-batches
         torch.testing.assert_close(out["logits"], ref(ids)["logits"])
+
+
+# --------------------------------------------------------------------------- dynamic dims
+
+
+class ImageBranch(nn.Module):
+    """An image model fx cannot trace (a branch on the width); export keeps its sides fixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, 5)
+        if x.shape[-1] % 4:
+            x = F.pad(x, (0, 4 - x.shape[-1] % 4))
+        h = torch.relu(self.c2(torch.relu(self.c1(x))))
+        return self.head(h.mean((2, 3)))
+
+
+def test_images_export_with_only_the_batch_dynamic_and_train_exactly():
+    model, x, y = ImageBranch(), torch.randn(8, 3, 8, 8), torch.randn(8, 5)
+    traced = trace(model, (x,))
+    assert traced.tracer == "export" and traced.dynamic_dims == ((0,),)
+    ref = copy.deepcopy(model)
+    F.mse_loss(ref(x), y).backward()
+    pm = replica.auto_parallel(model, (x,), num_stages=2, num_microbatches=2, device=COMPUTE_BOUND,
+                               loss_fn=F.mse_loss)
+    pm.train_step((x,), y)
+    want = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x[:4]), ref(x[:4]))  # another batch size: dynamic
+    with pytest.raises(replica.ConfigError, match=r"size 12 in dimension 3.*fixed that dimension at 8.*"
+                                                  r"dynamic_dims='all'"):
+        pm(torch.randn(8, 3, 8, 12))
+
+
+def test_all_dynamic_dims_keep_an_image_s_sides_dynamic():
+    model, x = ImageBranch(), torch.randn(8, 3, 8, 8)
+    traced = trace(model, (x,), dynamic_dims="all")
+    assert traced.dynamic_dims == ((0, 2),) or traced.dynamic_dims == ((0, 2, 3),)  # the width may be specialised
+
+
+def test_token_ids_keep_their_length_dynamic():
+    ids, _ = batch()
+    traced = trace(ShapeBranch(), (ids,))
+    assert traced.dynamic_dims == ((0, 1),)
+    assert trace(ShapeBranch(), (ids,), dynamic_dims="batch").dynamic_dims == ((0,),)
+
+
+def test_unknown_dynamic_dims_names_the_choices():
+    ids, _ = batch()
+    with pytest.raises(replica.ConfigError, match=r"dynamic_dims must be 'auto'.*'batch'.*'all'"):
+        trace(ShapeBranch(), (ids,), dynamic_dims="seq")
+
+
+def test_plan_records_dynamic_dims_in_json_and_summary():
+    import dataclasses
+
+    ids, _ = batch()
+    plan = replica.plan(ShapeBranch(), (ids,), num_stages=2, device=COMPUTE_BOUND)
+    plan = dataclasses.replace(plan, dynamic_dims=((0, 1),))
+    again = replica.Plan.from_json(plan.to_json())
+    assert again.dynamic_dims == ((0, 1),)
+    assert "dynamic dims per input (others fixed by torch.export): input 0: 0, 1" in again.summary()

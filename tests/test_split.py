@@ -323,3 +323,98 @@ def test_plan_without_fingerprint_missing_nodes(gpt_stages):
     model, inputs, _, _ = models.mlp(4)
     with pytest.raises(replica.ConfigError, match="places no stage for nodes"):
         split(trace(model, inputs), dataclasses.replace(plan, graph_fingerprint=""))
+
+
+# --------------------------------------------------------------------------- parameters no op reads
+
+
+class Masked(nn.Module):
+    """Embeddings with a ``mask_token`` used only when a mask is passed (as in a ViT), a
+    head with a ``temperature`` never used, and a top-level ``spare`` and buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 16)
+        self.mask_token = nn.Parameter(torch.zeros(16))
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 3)
+        self.head.temperature = nn.Parameter(torch.ones(()))
+        self.spare = nn.Parameter(torch.ones(2))
+        self.register_buffer("table", torch.arange(4.0))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # (B, 6) -> (B, 3)
+        h = self.embed(x)
+        if mask is not None:
+            h = torch.where(mask[:, None], self.mask_token, h)
+        return self.head(self.body(h))
+
+
+def masked_pipeline(tracer: str = "fx", num_stages: int = 2):
+    model, x, y = Masked(), torch.randn(8, 6), torch.randn(8, 3)
+    pm = replica.auto_parallel(copy.deepcopy(model), (x,), num_stages=num_stages, num_microbatches=2,
+                               device=COMPUTE_BOUND, tracer=tracer, loss_fn=F.mse_loss)
+    return model, pm, x, y
+
+
+def stage_holding(pm, name):
+    return [s.stage_index for s in pm.plan.stages if name in s.parameter_names]
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_unused_parameters_belong_to_a_stage(tracer):
+    model, pm, _, _ = masked_pipeline(tracer)
+    assert sorted(n for n, _ in pm.named_parameters()) == sorted(n for n, _ in model.named_parameters())
+    assert pm.state_dict().keys() == model.state_dict().keys()
+    last = pm.plan.num_stages - 1
+    assert stage_holding(pm, "head.temperature") == stage_holding(pm, "head.weight") == [last]
+    assert stage_holding(pm, "mask_token") == stage_holding(pm, "spare") == stage_holding(pm, "table") == [0]
+
+
+def test_unused_parameter_has_no_grad_and_the_others_are_exact():
+    model, pm, x, y = masked_pipeline()
+    F.mse_loss(model(x), y).backward()
+    optimizer = torch.optim.Adam(pm.parameters(), lr=0.1)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert id(pm.model.mask_token) in held and id(pm.model.head.temperature) in held
+    pm.train_step((x,), y)
+    want = dict(model.named_parameters())
+    for name, p in pm.named_parameters():
+        if want[name].grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+    assert pm.model.mask_token.grad is None and pm.model.head.temperature.grad is None
+    optimizer.step()  # a parameter without a gradient is skipped, as in the plain model
+
+
+def test_state_dict_with_unused_parameters_round_trips():
+    model, pm, x, _ = masked_pipeline(num_stages=3)
+    with torch.no_grad():
+        pm.model.mask_token.fill_(3.0)
+    plain = Masked()
+    plain.load_state_dict(pm.state_dict())  # strict: every key, unused ones too
+    torch.testing.assert_close(plain.mask_token, torch.full((16,), 3.0))
+    again = replica.auto_parallel(Masked(), (x,), plan=pm.plan, loss_fn=F.mse_loss)
+    again.load_state_dict(pm.state_dict())
+    torch.testing.assert_close(dict(again.named_parameters())["mask_token"], torch.full((16,), 3.0))
+
+
+def _unused_in_ranks(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    pm = replica.auto_parallel(Masked(), (x,), num_stages=2, num_microbatches=2, device=COMPUTE_BOUND,
+                               loss_fn=F.mse_loss, timeout_s=30)
+    pm.train_step((x,), y)
+    return sorted(n for n, _ in pm.named_parameters()), sorted(pm.state_dict())
+
+
+@pytest.mark.distributed
+def test_unused_parameters_live_on_one_rank():
+    from replica.launch import run_local
+
+    ranks = run_local(_unused_in_ranks, 2, timeout_s=60)
+    params = [set(names) for names, _ in ranks]
+    assert not params[0] & params[1]
+    assert params[0] | params[1] == {n for n, _ in Masked().named_parameters()}
+    assert {"mask_token", "spare"} <= params[0] and "head.temperature" in params[1]
+    assert set(ranks[0][1]) | set(ranks[1][1]) == set(Masked().state_dict())

@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from replica.partition.mutation import mutates_first_argument
+from replica.partition.pure import untouched, written_parameters
 
 __all__ = ["OpTimes", "profile"]
 
@@ -163,10 +164,17 @@ def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3, cach
     ends consistent and a re-plan reads the same times. That holds for times read from
     the cache too: a bad entry written on a loaded machine heals.
 
-    Gradients are computed with ``torch.autograd.grad``: nothing accumulates into ``.grad``.
+    Gradients are computed with ``torch.autograd.grad``: nothing accumulates into ``.grad``,
+    and the model is left as it was (:func:`~replica.partition.pure.untouched`): a BatchNorm's
+    statistics, the random generators a dropout draws from, the modules' modes.
     With ``cache``, times are kept per op signature (op, weights, input shapes) and device in
     ``~/.cache/replica`` (``REPLICA_CACHE_DIR``): a repeated op, or a re-plan, is not re-timed.
     """
+    with untouched(gm, written_parameters(gm)):
+        return _profile(gm, inputs, repeats, cache)
+
+
+def _profile(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int, cache: bool) -> dict[str, OpTimes]:
     store = _load_cache(cache)
     half = _halve(inputs)
     times, keys = _times(gm, inputs, repeats, store)

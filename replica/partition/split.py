@@ -22,6 +22,7 @@ from replica.partition.modes import uses_rng
 from replica.partition.mutation import mutated_inputs
 from replica.partition.partitioner import fingerprint
 from replica.partition.plan import Plan
+from replica.partition.holding import hold_tensor
 from replica.partition.trace import Traced
 
 __all__ = ["StageModule", "split"]
@@ -47,6 +48,15 @@ def _unflatten(spec: Any) -> Any:
     def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
         return tree_unflatten(list(out), spec)
     return hook
+
+
+def _hold_from(gm: fx.GraphModule, stage: fx.GraphModule, name: str, held: set[int]) -> None:
+    """Give ``stage`` the tensor ``gm`` holds at ``name``, unless it holds it (by any name)."""
+    path, _, field = name.rpartition(".")
+    owner = gm.get_submodule(path)
+    tensor = getattr(owner, field)
+    if id(tensor) not in held:
+        hold_tensor(stage, name, tensor, field not in owner._non_persistent_buffers_set)
 
 
 def split(traced: Traced, plan: Plan) -> list[StageModule]:
@@ -92,6 +102,9 @@ def split(traced: Traced, plan: Plan) -> list[StageModule]:
             g.output(tuple(env[b.name] for b in s.outputs))
         g.lint()
         module = fx.GraphModule(gm, g, class_name=f"Stage{k}")
+        reads = {id(t) for t in [*module.parameters(), *module.buffers()]}
+        for name in s.parameter_names:  # what no op reads (an unused mask_token) joins its stage too
+            _hold_from(gm, module, name, reads)
         if is_last and traced.out_spec is not None:  # exported graphs return flat outputs
             module.register_forward_hook(_unflatten(traced.out_spec))
         stages.append(StageModule(

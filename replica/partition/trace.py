@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import traceback
@@ -16,10 +17,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from replica.errors import ConfigError, TraceError
 from replica.partition.graph import INPUT, OP, OUTPUT, Graph, Node, ParameterInfo, TensorInfo
-from replica.partition.export import export_graph_module
+from replica.partition.export import DYNAMIC, ExportedInputs, export_graph_module
+from replica.partition.holding import hold_unused
 from replica.partition.inputs import InputSpec, normalize_inputs
 from replica.partition.modes import follow_mode
 from replica.partition.mutation import make_writes_explicit, view_writes
+from replica.partition.pure import untouched, written_parameters
 
 __all__ = ["Traced", "trace", "normalize_inputs"]
 
@@ -46,6 +49,8 @@ class Traced:
     inputs: InputSpec | None = None  # how calls map to the graph's inputs
     training: bool = True  # the model's mode while tracing
     example: tuple[Any, ...] = ()  # the graph's inputs while tracing (example_inputs, then keyword tensors)
+    dynamic_dims: tuple[tuple[int, ...], ...] = ()  # per graph input: the dims a call may change
+
 
 
 class _Tracer(fx.Tracer):
@@ -151,13 +156,13 @@ def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Se
     return gm
 
 
-def _export_trace(model: torch.nn.Module, inputs: tuple[Any, ...], spec: InputSpec,
-                  fx_error: TraceError | None) -> tuple[fx.GraphModule, Any, tuple[torch.Tensor, ...]]:
+def _export_trace(model: torch.nn.Module, inputs: tuple[Any, ...], spec: InputSpec, fx_error: TraceError | None,
+                  dynamic: str) -> tuple[fx.GraphModule, Any, tuple[torch.Tensor, ...], InputSpec]:
     """torch.export's graph of ``model`` (its inputs: every tensor leaf, flat), or a TraceError
-    with both tracers' reasons. Records in ``spec`` how calls map to the flat inputs."""
+    with both tracers' reasons; and ``spec`` recording how calls map to the flat inputs."""
     args, kwargs = inputs[: spec.positional], dict(zip(spec.keywords, inputs[spec.positional:]))
     try:
-        gm, out_spec, fixed = export_graph_module(model, args, kwargs, spec.constants)
+        gm, out_spec, fixed = export_graph_module(model, args, kwargs, spec.constants, dynamic)
     except Exception as exc:  # export raises many kinds (UserError, GuardOnDataDependent, ...)
         first = f"torch.fx: {fx_error}\n" if fx_error is not None else ""
         raise TraceError(
@@ -167,9 +172,11 @@ def _export_trace(model: torch.nn.Module, inputs: tuple[Any, ...], spec: InputSp
             "or keep the offending sub-module whole with leaf_modules=[...] (fx keeps leaves opaque)."
         ) from exc
     make_writes_explicit(gm)
+    if fixed and any(fixed):
+        spec = ExportedInputs(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
     spec.flat = True
     spec.fixed_dims = fixed
-    return gm, out_spec, tuple(tree_leaves(inputs))
+    return gm, out_spec, tuple(tree_leaves(inputs)), spec
 
 
 def _tensor_info(value: Any) -> tuple[TensorInfo, ...]:
@@ -261,22 +268,15 @@ def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[in
     Real is the fallback, not the rule: a full-batch forward allocates every activation
     once, and the allocator keeps the holes they leave among the set-up's long-lived
     objects (tens of MiB of resident memory per rank that training never reuses). Either
-    way, buffers written while recording (a BatchNorm's statistics) get their values back."""
+    way, the model is left as it was (buffers such as a BatchNorm's statistics, RNG, modes)."""
     tensors = list(gm.parameters()) + list(gm.buffers())
     device = tensors[0].device if tensors else (inputs[0].device if inputs else torch.device("cpu"))
     real = device.type != "meta" and not any(
         x.device.type == "meta" or type(x).__name__ == "FakeTensor" for x in tree_leaves(inputs))
-    # buffers as they were: a training-mode BatchNorm counts batches even on fake tensors
-    # (and, run for real, updates its statistics); recording a shape must not
-    buffers = [(b, b._version, b.clone()) for b in gm.buffers()
-               if b.device.type != "meta" and type(b).__name__ != "FakeTensor"]
-    try:
+    # a training-mode BatchNorm counts batches even on fake tensors (and, run for real,
+    # updates its statistics); recording a shape must not
+    with untouched(gm, written_parameters(gm)):
         return _run_recorder(gm, inputs, names, device, real)
-    finally:
-        with torch.no_grad():
-            for b, version, before in buffers:
-                if b._version != version or not torch.equal(b, before):  # a kernel's write need not count
-                    b.copy_(before)
 
 
 def _run_recorder(gm: fx.GraphModule, inputs: tuple[Any, ...], names: dict[int, str], device: torch.device,
@@ -315,34 +315,56 @@ def trace(
     example_kwargs: dict[str, Any] | None = None,
     leaf_modules: Iterable[type | str | torch.nn.Module] = (),
     tracer: str = "auto",
+    dynamic_dims: str = "auto",
 ) -> Traced:
     """Trace ``model`` with ``torch.fx`` (or, where fx fails, ``torch.export``) and build
     Replica's :class:`Graph`. ``tracer`` is ``"fx"``, ``"export"`` or ``"auto"`` (fx first).
+
+    ``dynamic_dims`` (torch.export only; an fx graph takes any shape its code allows): which
+    dims besides the batch a later call may change, where the code allows: ``"auto"`` those
+    of inputs of up to 3 dims (token ids, masks: another sequence length), ``"all"`` every
+    input's (an image's sides too: export then takes many times longer, 30-90 s against
+    1 s on a Swin), ``"batch"`` none. A call that changes a fixed dim is refused
+    with the fix. ``Traced.dynamic_dims`` records, per graph input, the dims a call may change.
 
     ``example_kwargs`` are keyword inputs: tensors become graph inputs after the positional
     ones, anything else (``use_cache=False``) is fixed in the graph. ``leaf_modules`` are
     module classes, qualified names or sub-modules kept whole (not traced into). Inputs on
     the ``meta`` device (or fake tensors) propagate shapes without computing or allocating
-    anything, so any model size can be traced.
+    anything, so any model size can be traced. Tracing leaves ``model`` as it was: its
+    parameters, buffers, modes and torch's random generators.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if tracer not in ("auto", "fx", "export"):
         raise ConfigError(f"tracer must be 'auto', 'fx' or 'export', got {tracer!r}")
+    if dynamic_dims not in DYNAMIC:
+        raise ConfigError(
+            f"dynamic_dims must be 'auto' (the batch, and every dim of inputs of up to 3 dims such as token "
+            f"ids; an image's sides stay fixed), 'batch' (only the batch: quickest to export) or 'all' (every "
+            f"dim the code allows: slowest), got {dynamic_dims!r}"
+        )
+    with untouched(model):  # tracing runs the model's code (export: on fake tensors; the shapes: maybe real)
+        return _trace(model, example_inputs, example_kwargs, tuple(leaf_modules), tracer, dynamic_dims)
+
+
+def _trace(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None,
+           leaf_modules: tuple[Any, ...], tracer: str, dynamic_dims: str) -> Traced:
     inputs, concrete, spec = normalize_inputs(model, example_inputs, example_kwargs)
     out_spec = None
     used = "fx"
     if tracer == "export":
-        gm, out_spec, inputs = _export_trace(model, inputs, spec, None)
+        gm, out_spec, inputs, spec = _export_trace(model, inputs, spec, None, dynamic_dims)
         used = "export"
     else:
         try:
-            gm = _fx_trace(model, concrete, tuple(leaf_modules), [*spec.arg_names, *spec.keywords])
+            gm = _fx_trace(model, concrete, leaf_modules, [*spec.arg_names, *spec.keywords])
         except TraceError as fx_error:
             if tracer == "fx":
                 raise
-            gm, out_spec, inputs = _export_trace(model, inputs, spec, fx_error)
+            gm, out_spec, inputs, spec = _export_trace(model, inputs, spec, fx_error, dynamic_dims)
             used = "export"
+    hold_unused(gm, model)
     follow_mode(gm)  # dropout obeys model.train() / .eval() after tracing, per module
     names, infos = _named_tensors(model)
     recorder = _record(gm, inputs, names)
@@ -406,5 +428,9 @@ def trace(
             flops=recorder.flops.get(n.name, 0.0), bytes_accessed=moved,
             parameters=tuple(dict.fromkeys(params)), buffers=tuple(dict.fromkeys(bufs)),
         ))
+    fixed = spec.fixed_dims if spec.flat else ()
+    dynamic = tuple(
+        tuple(d for d in range(x.dim()) if d not in (fixed[i] if i < len(fixed) else {}))
+        if isinstance(x, torch.Tensor) else () for i, x in enumerate(inputs))
     return Traced(gm, Graph(nodes, infos, model_name=type(model).__name__), concrete, out_spec, used, spec,
-                  model.training, inputs)
+                  model.training, inputs, dynamic)

@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 from replica.errors import PipelineError
 from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
+from replica.pipeline.batchnorm import recompute_context
 from replica.pipeline.clock import NO_CLOCK, StepClock, timing
 from replica.pipeline.remat import KINDS, pointwise_recompute
 from replica.pipeline.schedule import (BACKWARD, FORWARD, Action, Schedule, execution_order, fused_weight_grads,
@@ -52,7 +53,8 @@ def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool, seed: 
     seeds the random ops of a stage that has any (see :class:`RandomStreams`)."""
     with seeded(seed if stage.uses_rng else None, stage.device):
         if recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False,
+                                                     context_fn=recompute_context)  # counts no batch norm twice
         with pointwise_recompute(pointwise):
             return stage.module(*args)
 
@@ -110,7 +112,7 @@ class LocalRuntime:
         self.recompute = recompute
         # stage -> the kinds of ops whose outputs it rebuilds in backward (pipeline/remat.py):
         # with pointwise_recompute every kind on every stage that holds several micro-batches,
-        # else the plan's rebuilds (api._Planner.finish)
+        # else the plan's rebuilds (replica.planner.refine.finish)
         self.pointwise_recompute = rebuild_map(holding_several(schedule, len(stages)) if pointwise_recompute
                                                else (), rebuilds)
         self.schedule = schedule

@@ -42,6 +42,9 @@ def _meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
     for b in gm.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     meta = copy.deepcopy(gm, memo)
+    for m in meta.modules():  # momentum=None reads num_batches_tracked's value, which meta has not
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.momentum is None:
+            m.momentum = 0.1
     # Devices written into the graph (export records `.to(device=cpu)`, `arange(device=cpu)`)
     # would pull meta tensors back to a real device: make them meta too.
     to_meta = lambda v: torch.device("meta") if isinstance(v, torch.device) else v  # noqa: E731
