@@ -14,6 +14,9 @@ starts one mode later, so every mode runs in every place of a round in turn):
   no hint at all.
 
 Peak RSS is measured per framework in fresh processes (ru_maxrss is a lifetime peak).
+The ranks call ``replica.keep_freed_memory()`` (glibc keeps freed memory for the next
+micro-batch), as CPU pipelines did unasked before it became opt-in; the torch-only RSS
+processes do not.
 Usage: ``python benchmarks/pipeline_vs_torch.py [--rounds 5] [--steps 3] [--schedules 1f1b,zb-v,auto]
 [--torch-schedules 1f1b,zbv] [--vocab 8192]``.
 """
@@ -23,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import random
 import resource
 import statistics
@@ -157,7 +159,7 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
     torch_runs = {t: torch_pipeline(rank, copy.deepcopy(model), t) for t in torch_schedules}
     pms = {}
     for s in schedules:  # "auto": no hint at all, the tuner picks stages, micro-batches and schedule
-        # "-even": micro-batches of one size (no grading); "-eager": every receive posted up front;
+        # "-even": micro-batches of one size (no grading);
         # "-late": a backward computes its weight gradients before sending its input gradient
         # "-pointwise": GELU outputs rebuilt in backward (recompute="pointwise");
         # "-keep": every activation kept (recompute=False: not even the planner's free rebuilds);
@@ -166,7 +168,7 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         mbs = None  # "-m<N>": N micro-batches (for "auto", the tuner's choice otherwise)
         if "-m" in name and name.rsplit("-m", 1)[1].isdigit():
             name, mbs = name.rsplit("-m", 1)
-        for suffix in ("-even", "-eager", "-late", "-pointwise", "-keep", "-after"):
+        for suffix in ("-even", "-late", "-pointwise", "-keep", "-after"):
             name = name.removesuffix(suffix)
         hints = {} if name == "auto" else dict(num_stages=4 if name in ("zb-v", "interleaved") else 2,
                                             num_microbatches=MICROBATCHES, schedule=name)
@@ -178,7 +180,6 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
             hints["recompute"] = "pointwise"
         if s.endswith("-keep"):
             hints["recompute"] = False
-        os.environ["REPLICA_P2P"] = "eager" if s.endswith("-eager") else "ordered"  # read when the pipeline is built
         pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
         if s.endswith("-late"):
             pms[s].runtime.early = set()  # the runtime's switch: no backward sends before its W part
@@ -186,7 +187,6 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
         if "-after" in s and reducer is not None:
             arm = reducer.arm
             reducer.arm = lambda stage, listen=True, arm=arm: arm(stage, listen=False)
-    os.environ.pop("REPLICA_P2P", None)
 
     def single() -> None:
         if rank == 0:
@@ -211,8 +211,7 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
             times[name].append(seconds)
             faulted[name].append(pages)
     summaries = {s: pm.plan.summary() + "\n" + format_grid(pm.schedule, pm.plan.num_stages) for s, pm in pms.items()}
-    replicas = {f"replica-{s}": pm.data_parallel_size for s, pm in pms.items()}  # each replica feeds a batch
-    return {"times": times, "summaries": summaries, "replicas": replicas,
+    return {"times": times, "summaries": summaries,
             "faults": {k: statistics.median(v) for k, v in faulted.items()}}
 
 
@@ -227,11 +226,13 @@ def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0, v
         for _ in range(steps):
             torch_step(rank, module, sched, x, y, v)
     elif framework == "replica-auto":  # no hint at all: the tuner's choice
+        replica.keep_freed_memory()  # as every Replica run here: glibc keeps freed memory (pipeline/heap.py)
         pm = replica.auto_parallel(model, (x,), loss_fn=loss_fn)
         for _ in range(steps):
             pm.zero_grad()
             pm.train_step(x, y)
     else:
+        replica.keep_freed_memory()
         pm = replica.auto_parallel(model, (x,), num_stages=4 if v else 2, num_microbatches=MICROBATCHES,
                                    schedule="zb-v" if v else "1f1b", loss_fn=loss_fn,
                                    graded_microbatches=framework != "replica-even",
@@ -250,7 +251,7 @@ def median_interval(values: list[float], draws: int = 2000, seed: int = 0) -> tu
     return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
-def paired(times: dict[str, list[float]], replicas: dict[str, int]) -> None:
+def paired(times: dict[str, list[float]]) -> None:
     """Per-round ratios: each round times every mode back to back, so a ratio within a round
     is free of the slower drifts between rounds; the median over the rounds, its 95%
     bootstrap interval and the range. The last two columns are the speed-up over
@@ -274,7 +275,7 @@ def paired(times: dict[str, list[float]], replicas: dict[str, int]) -> None:
     for name, ts in times.items():
         if name == "single":
             continue
-        per_batch = [r / replicas.get(name, 1) for r in ts]
+        per_batch = ts  # every mode trains the same batch a step: data-parallel replicas split it
         cells = []
         for t in (torch_modes if name.startswith("replica-") else []):
             cells.append(cell([tt / r for tt, r in zip(times[t], per_batch)], ".3f"))
@@ -290,7 +291,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schedules", default="1f1b", help="Replica schedules, comma-separated ('auto': no hint; "
-                        "'<name>-even': without graded micro-batches; '<name>-eager': REPLICA_P2P=eager; "
+                        "'<name>-even': without graded micro-batches; "
                         "'<name>-late': input gradients sent after the weight gradients; '<name>-pointwise': GELU outputs "
                         "rebuilt in backward; '<name>-keep': every activation kept (recompute=False, no rebuilds); "
                         "'<name>-after': data-parallel all-reduces after the backward; "
@@ -313,12 +314,13 @@ def main() -> None:
             print(f"peak RSS per rank (MiB), {what}: " + ", ".join(f"{fw} {[round(x) for x in r]}"
                                                                    for fw, r in rss.items()))
         return
+    # every mode of a round shares the ranks: all run with glibc keeping freed memory (pipeline/heap.py)
     results = run_local(compare, 2, args.rounds, args.steps, schedules, torch_schedules, args.vocab,
-                        timeout_s=3000)
+                        timeout_s=3000, keep_freed_memory=True)
     result = results[0]
     tokens = BATCH * SEQ
-    # a step of D data-parallel replicas trains D batches: compare time per batch
-    med = {k: statistics.median(v) / result["replicas"].get(k, 1) for k, v in result["times"].items()}
+    # every mode trains the same global batch a step (data-parallel replicas split it)
+    med = {k: statistics.median(v) for k, v in result["times"].items()}
     base = med["single"]
     ideal = 2 * MICROBATCHES / (MICROBATCHES + 1)
     for name, summary in result["summaries"].items():
@@ -326,7 +328,7 @@ def main() -> None:
     best_torch = min(t for k, t in med.items() if k.startswith("torch-"))
     print(f"\nGPT {CONFIG['n_layer']} layers d={CONFIG['n_embd']} vocab {CONFIG['vocab_size']}, batch {BATCH}x{SEQ}, "
           f"{MICROBATCHES} micro-batches, 2 gloo ranks x 1 thread; median of {args.rounds} rounds x {args.steps} steps"
-          "; 'step s' is per batch of 32 sequences (a data-parallel step trains one per replica)")
+          "; 'step s' is per batch of 32 sequences (data-parallel replicas split it)")
     w = max(20, *(len(k) + 2 for k in med))
     print(f"{'mode':<{w}}{'step s':>9}{'tokens/s':>11}{'vs single':>11}{'of 1F1B ideal':>15}{'of 2.0x':>9}"
           f"{'vs torch best':>15}")
@@ -334,7 +336,7 @@ def main() -> None:
         speedup = base / t
         print(f"{name:<{w}}{t:>9.3f}{tokens / t:>11.0f}{speedup:>10.2f}x{speedup / ideal:>15.1%}{speedup / 2:>9.1%}"
               f"{best_torch / t:>14.2f}x")
-    paired(result["times"], result["replicas"])
+    paired(result["times"])
     # glibc hands a freed heap top back to the system and the next allocation faults it in
     # again, zero-filled: the cost pipeline/heap.py keeps Replica's CPU ranks from paying
     print("\npage faults per step, median over rounds [rank 0, rank 1]: " + ", ".join(

@@ -106,7 +106,7 @@ def main() -> None:
         parse(variant)  # a bad edit stops here, not inside the ranks
     for variant in args.variant:
         plan_times, variant_times, plan_text, variant_text = run_local(job, 2, variant, args.steps,
-                                                                       timeout_s=1800)[0]
+                                                                       timeout_s=1800, keep_freed_memory=True)[0]
         pairs = [b / a for a, b in zip(plan_times, variant_times)]
         low, high = median_interval(pairs)
         print(f"plan    ({plan_text}): {statistics.median(plan_times):.3f} s\n"

@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    result = run_local(job, 2, args.rounds, args.steps, timeout_s=3000)[0]
+    result = run_local(job, 2, args.rounds, args.steps, timeout_s=3000, keep_freed_memory=True)[0]
     print(f"{'configuration':<16}{'predicted s':>13}{'measured s':>12}{'error':>9}")
     for name, (pred, meas) in result.items():
         print(f"{name:<16}{pred:>13.3f}{meas:>12.3f}{pred / meas - 1:>+9.1%}")

@@ -57,7 +57,7 @@ def main() -> None:
                     continue
                 tps = batch * config.block_size / p.predicted_step_time_s
                 per_gpu0 = per_gpu0 or tps / w
-                layout = (f"{p.num_stages // p.stages_per_rank}x{p.data_parallel_size} {p.schedule}"
+                layout = (f"{p.pipeline_ranks}x{p.data_parallel_size} {p.schedule}"
                           f"{' rc' if p.recompute else ''} m={p.num_microbatches}")
                 tflops = p.model_flops / p.predicted_step_time_s / w / 1e12
                 print(f"{w:>6}{batch:>7}{layout:>34}{p.predicted_step_time_s:>9.2f}{tps:>12.0f}{tflops:>13.1f}"

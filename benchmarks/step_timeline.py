@@ -23,14 +23,13 @@ import replica  # noqa: E402
 from benchmarks.pipeline_vs_torch import MICROBATCHES, build  # noqa: E402
 from examples.gpt.model import loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
-from replica.pipeline.schedule import stages_per_rank  # noqa: E402
 from replica.pipeline.simulate import Timeline, simulate, stage_costs_from_plan  # noqa: E402
 from replica.viz.chrome import write_chrome_trace  # noqa: E402
 
 
 def job(rank: int, world: int, schedule: str, keep: bool, warmup: int, steps: int, out: str) -> list[Timeline]:
     model, x, y = build()
-    pm = replica.auto_parallel(model, (x,), num_stages=2 * stages_per_rank(schedule),
+    pm = replica.auto_parallel(model, (x,), num_stages=replica.Layout.for_world(schedule, 2).num_stages,
                                num_microbatches=MICROBATCHES, schedule=schedule, loss_fn=loss_fn,
                                **({"recompute": False} if keep else {}))
     for _ in range(warmup):
@@ -76,7 +75,8 @@ def main() -> None:
     parser.add_argument("--out", default="out/step-timeline", help="directory for step.json and plan.html")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    timelines = run_local(job, 2, args.schedule, args.keep, args.warmup, args.steps, args.out, timeout_s=1800)[0]
+    timelines = run_local(job, 2, args.schedule, args.keep, args.warmup, args.steps, args.out, timeout_s=1800,
+                          keep_freed_memory=True)[0]  # glibc keeps freed memory, as measured before
     med = statistics.median
     print(f"\nmedian over {args.steps} measured steps: step {med(t.step_time_s for t in timelines):.3f} s")
     for rank in range(2):

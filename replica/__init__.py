@@ -10,8 +10,11 @@ from replica.errors import (
     ScheduleError,
     TraceError,
 )
+from replica.layout import Layout
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
+from replica.pipeline.heap import keep_freed_memory
+from replica.planner.options import PlannerOptions
 from replica.train.checkpoint import CheckpointError, load_into_plain_model
 from replica.train.trainer import Trainer, get_trainer
 from replica.viz.report import visualize
@@ -28,8 +31,11 @@ __all__ = [
     "load_into_plain_model",
     "CheckpointError",
     "Plan",
+    "Layout",
+    "PlannerOptions",
     "PipelineModel",
     "DeviceSpec",
+    "keep_freed_memory",
     "ReplicaError",
     "ConfigError",
     "TraceError",

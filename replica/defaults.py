@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from replica.errors import ConfigError
-from replica.pipeline.schedule import INTERLEAVED, SCHEDULES, V_SHAPED
+from replica.layout import schedule_names
 
 __all__ = ["TrainerConfig", "default_config"]
 
@@ -79,7 +79,7 @@ class TrainerConfig:
         _flag("progress", self.progress)
         _path("checkpoint_dir", self.checkpoint_dir)
         _path("metrics_file", self.metrics_file)
-        known = sorted([*SCHEDULES, *INTERLEAVED, *V_SHAPED, "auto"])
+        known = schedule_names(auto=True)
         if not isinstance(self.schedule, str) or self.schedule.lower() not in known:
             raise ConfigError(f"schedule must be one of {known}, got {self.schedule!r}")
         if self.checkpoint_every_steps is not None and self.checkpoint_dir is None:

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from replica.errors import PipelineError
+from replica.errors import ConfigError, PipelineError
+from replica.pipeline.heap import keep_freed_memory as _keep_freed_memory
 
 __all__ = ["run_local", "free_port"]
 
@@ -24,11 +25,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: int,
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: int, keep_freed_memory: bool,
             fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # this fresh process's own settings: the caller's are untouched
+    if keep_freed_memory:
+        _keep_freed_memory()
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
@@ -50,6 +53,7 @@ def run_local(
     timeout_s: float = 120.0,
     threads_per_rank: int = 1,
     allow_dead: bool = False,
+    keep_freed_memory: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (spawned, gloo
     on 127.0.0.1, ``threads_per_rank`` torch threads each) and return each rank's result.
@@ -57,13 +61,18 @@ def run_local(
     ``fn`` and its results must be picklable (a module-level function). A rank that
     raises, dies or outlives ``timeout_s`` makes this raise ``PipelineError`` with
     every rank's report; no process is left behind. With ``allow_dead`` a rank that died
-    without a report (killed on purpose by a test) reads as ``None`` instead.
+    without a report (killed on purpose by a test) reads as ``None`` instead. With
+    ``keep_freed_memory`` each rank first calls :func:`replica.keep_freed_memory` (glibc keeps
+    freed memory for the next micro-batch; what the benchmarks measure with).
     """
+    if not isinstance(keep_freed_memory, bool):
+        raise ConfigError(f"run_local(keep_freed_memory=...) must be True or False, got {keep_freed_memory!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, threads_per_rank, fn, args, results),
-                         daemon=True) for r in range(world_size)]
+    settings = (timeout_s, threads_per_rank, keep_freed_memory)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, *settings, fn, args, results), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     reports: dict[int, tuple[str, Any]] = {}

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from replica.errors import ConfigError, PipelineError
 from replica.partition.modes import following, frozen_mode_ops
@@ -13,28 +14,16 @@ from replica.partition.plan import Plan
 from replica.partition.split import StageModule, split
 from replica.partition.trace import Traced
 from replica.pipeline import microbatch
+from replica.pipeline.batchnorm import defer_batchnorm
 from replica.pipeline.distributed import DistributedRuntime, Topology, sending_input_grads
-from replica.pipeline.heap import keep_freed_memory
 from replica.pipeline.local import LocalRuntime, LossFn
 from replica.pipeline.remat import rebuildable_norms
-from replica.pipeline.schedule import (Schedule, durations_of, make_schedule, placement, splits_backward,
-                                      stage_scale_of)
+from replica.pipeline.schedule import placement, plan_schedule, splits_backward  # plan_schedule: re-exported
 from replica.pipeline.shapes import ShapeOracle
 from replica.pipeline.simulate import Timeline
 from replica.pipeline.weightgrad import defer_linear_weight_grads
 
 __all__ = ["PipelineModel", "plan_schedule"]
-
-
-def plan_schedule(plan: Plan, num_ranks: int | None | Literal["plan"] = "plan", *, check: bool = True) -> Schedule:
-    """The action lists of ``plan``, ordered by its own stage times: the planner and every
-    rank derive the same ones from the same plan. ``num_ranks`` defaults to the plan's own
-    pipeline ranks (``Plan.pipeline_ranks``); None leaves it to the schedule."""
-    if num_ranks == "plan":
-        num_ranks = plan.pipeline_ranks or None
-    forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
-    return make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks, check=check,
-                         durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))
 
 
 def _distributed() -> bool:
@@ -52,18 +41,22 @@ class PipelineModel:
         *,
         loss_fn: LossFn | None,
         loss_reduction: str,
-        num_pipeline_ranks: int,
+        batch: str = "global",
+        deferred_batchnorm: bool = True,
         timeout_s: float,
     ) -> None:
         self.model = model
         self.plan = plan
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
+        self.batch = batch  # "global": every rank gets the whole batch, each replica takes its slice
         self.input_spec = traced.inputs
         self._traced_training = traced.training
         self._frozen_mode = frozen_mode_ops(traced.module)
         self.all_stages: list[StageModule] = split(traced, plan)
-        self.schedule = plan_schedule(plan, num_pipeline_ranks)
+        if deferred_batchnorm:
+            defer_batchnorm(self.all_stages, plan.num_microbatches)  # running statistics of the whole batch
+        self.schedule = plan_schedule(plan)
         # linear weight gradients can wait: for their W action, or until the input gradients
         # left. A stage that sends no input gradient (the first) keeps autograd's own linears:
         # the rewrite would only cost it (about 3% of its step, benchmarks/RESULTS.md).
@@ -78,12 +71,15 @@ class PipelineModel:
         if plan.pointwise_recompute or plan.rebuilds:
             for stage in self.all_stages:  # norms that note their eps, so that their outputs can be rebuilt
                 rebuildable_norms(stage.module)
-        if all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()]):
-            keep_freed_memory()  # a step's freed activations stay mapped for the next micro-batch
         self._canonical = {alias: name for name, aliases in plan.tied_parameters.items() for alias in aliases}
         self.runtime: LocalRuntime | DistributedRuntime
         if _distributed():
-            topology = Topology(dist.get_rank(), dist.get_world_size(), num_pipeline_ranks)
+            if plan.layout.world_size != dist.get_world_size():
+                raise ConfigError(
+                    f"the plan lays out {plan.layout.world_size} processes ({plan.layout.describe()}) but this "
+                    f"process group has {dist.get_world_size()}; re-plan for this world"
+                )
+            topology = Topology(plan.layout, dist.get_rank())
             device = next(model.parameters()).device
             boundary = [b.name for s in plan.stages for b in s.outputs]
             oracle = ShapeOracle(traced.module, boundary, device, traced.out_spec)
@@ -124,13 +120,63 @@ class PipelineModel:
     def _microbatches(self, args: tuple[Any, ...], what: str = "inputs") -> list[tuple[Any, ...]]:
         return microbatch.split(args, self.plan.num_microbatches, what, self.plan.microbatch_shares)
 
+    def replica_slice(self, values: Any, what: str = "inputs") -> Any:
+        """This data-parallel replica's slice of a global batch: rows ``r·n/d`` to
+        ``(r+1)·n/d`` of every batched tensor in ``values`` (replica ``r`` of ``d``). Every
+        step of a ``batch="global"`` pipeline takes it by itself; a loader feeding a
+        ``batch="per_rank"`` pipeline can shard with it. ``values`` itself with one replica."""
+        d, r = self.data_parallel_size, self.data_parallel_rank
+        if d == 1:
+            return values
+        n = microbatch.batch_size([values], what)
+        if n < d * self.plan.num_microbatches:
+            raise ConfigError(
+                f"{what} have a batch of {n} samples, too few for {d} data-parallel replicas × "
+                f"{self.plan.num_microbatches} micro-batches ({self.plan.layout.describe()}): feed at least "
+                f"{d * self.plan.num_microbatches} samples"
+            )
+        return microbatch.split([values], d, what)[r][0]
+
+    def _gather_replicas(self, out: Any, total: int) -> Any:
+        """Every replica's outputs of a global batch of ``total`` samples, in replica order."""
+        assert isinstance(self.runtime, DistributedRuntime) and self.runtime.data_parallel_group is not None
+        leaves, spec = tree_flatten(out)
+        gathered = []
+        for leaf in leaves:
+            if not (isinstance(leaf, torch.Tensor) and leaf.dim() > 0):
+                gathered.append(leaf)
+                continue
+            sizes = microbatch.sizes(total, self.data_parallel_size)  # each replica's slice, padded to the largest
+            padded = leaf.new_zeros((sizes[0], *leaf.shape[1:]))
+            padded[:leaf.shape[0]] = leaf
+            parts = [torch.empty_like(padded) for _ in sizes]
+            work = dist.all_gather(parts, padded, group=self.runtime.data_parallel_group, async_op=True)
+            self.runtime._wait(work, "the other replicas' outputs", "the data-parallel replicas")
+            gathered.append(torch.cat([part[:size] for part, size in zip(parts, sizes)]))
+        return tree_unflatten(gathered, spec)
+
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Pipelined forward, called like the model (positional and keyword inputs as traced);
-        the output, in the model's own type, backpropagates into the model like ``model(...)``'s."""
+        the output, in the model's own type, backpropagates into the model like ``model(...)``'s.
+        With data-parallel replicas each runs its slice of the batch and every rank returns
+        the whole batch's output (``batch="per_rank"``: its replica's). Across processes it is
+        inference: call it under ``torch.no_grad()`` and train with :meth:`train_step` (the
+        stages on other ranks cannot backpropagate a loss computed here)."""
+        if isinstance(self.runtime, DistributedRuntime) and torch.is_grad_enabled():
+            raise PipelineError(
+                "pm(...) across processes is inference: its output cannot backpropagate into the stages other "
+                "ranks hold. Call it under torch.no_grad() (or torch.inference_mode()), and train with "
+                "pm.train_step(inputs, target)"
+            )
         args = self._pack(inputs, kwargs)
+        sliced = self.batch == "global" and self.data_parallel_size > 1
+        if sliced:
+            total = microbatch.batch_size(args)
+            args = self.replica_slice(args)
         self._check_mode()
         with following(self.model):
-            return microbatch.merge(self.runtime.forward(self._microbatches(args)))
+            out = microbatch.merge(self.runtime.forward(self._microbatches(args)))
+        return self._gather_replicas(out, total) if sliced else out
 
     def train_step(self, inputs: Any, target: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of every micro-batch. Each parameter's ``.grad`` receives the
@@ -165,13 +211,21 @@ class PipelineModel:
                 "replica.auto_parallel(...), e.g. loss_fn=torch.nn.functional.cross_entropy"
             )
         args = self._pack(inputs, kwargs)
-        mbs = self._microbatches(args)
         n_in = microbatch.batch_size(args)
         n_target = microbatch.batch_size([target], "target")
         if n_in != n_target:
             raise ConfigError(f"inputs have a batch of {n_in} samples but target has {n_target}; they must match")
+        d = self.data_parallel_size
+        # this replica's part of the step's loss: its samples' share of a mean (each replica's
+        # batch counted alike when fed per rank), its own sum of a sum
+        part = 1.0 / d if self.loss_reduction == "mean" else 1.0
+        if self.batch == "global" and d > 1:  # this replica's slice of the batch
+            args, target = self.replica_slice(args), self.replica_slice(target, "target")
+            part = microbatch.batch_size(args) / n_in if self.loss_reduction == "mean" else 1.0
+        mbs = self._microbatches(args)
         targets = [t[0] for t in self._microbatches((target,), "target")]
-        weights = microbatch.loss_weights(mbs, self.loss_reduction)
+        # the replicas' gradients are averaged: each replica's loss counts d times its part
+        weights = [w * d * part for w in microbatch.loss_weights(mbs, self.loss_reduction)]
         self._check_mode()
         return mbs, targets, self.loss_fn, weights
 

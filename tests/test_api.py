@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import replica
-import replica.tuner
+from replica.layout import TUNED_SCHEDULES
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 
@@ -109,7 +109,7 @@ def test_zero_grad(pm, mlp):
 
 def test_auto_schedule(mlp):
     pm = replica.auto_parallel(mlp.model, mlp.example_inputs, num_stages=2, schedule="auto", device=COMPUTE_BOUND)
-    assert pm.plan.schedule in replica.tuner.SCHEDULE_CHOICES and pm.plan.num_stages == 2
+    assert pm.plan.schedule in TUNED_SCHEDULES and pm.plan.num_stages == 2
 
 
 def test_schedule_name_case_insensitive(mlp):
@@ -172,6 +172,42 @@ def test_too_many_stages_at_plan(mlp):
 def test_plan_for_a_world_leaves_data_parallel_replicas(mlp):
     p = replica.plan(mlp.model, mlp.example_inputs, world_size=4, num_stages=2, device=COMPUTE_BOUND)
     assert (p.num_stages, p.data_parallel_size) == (2, 2)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_stages=2, num_microbatches=4),
+    dict(num_stages=3, schedule="gpipe"),
+    dict(num_stages=4, schedule="auto"),  # without a world both tune, over 4 pipeline ranks
+    dict(num_stages=4, schedule="zb-v", recompute=True),
+    dict(num_stages=2, recompute="pointwise", options=replica.PlannerOptions(min_gain=0.5)),
+])
+def test_plan_and_auto_parallel_make_the_same_plan(kwargs):
+    """One decision tree: the same arguments mean the same plan, with or without a pipeline."""
+    model, inputs, _, loss_fn = models.tiny_gpt(16, num_layers=4)
+    planned = replica.plan(model, inputs, device=COMPUTE_BOUND, **kwargs)
+    pm = replica.auto_parallel(model, inputs, device=COMPUTE_BOUND, loss_fn=loss_fn, **kwargs)
+    assert pm.plan == planned
+    if kwargs.get("schedule") == "auto":
+        assert planned.alternatives, "schedule='auto' without world_size tunes, as auto_parallel does"
+
+
+def test_planner_options_are_used_and_checked(mlp):
+    even = replica.plan(mlp.model, mlp.example_inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND,
+                        options=replica.PlannerOptions(min_gain=1.0))  # grading can never gain all of the step
+    assert even.microbatch_shares == ()
+    msg = error(replica.ConfigError, replica.PlannerOptions, tie=-0.1)
+    assert "PlannerOptions.tie must be a number >= 0, got -0.1" in msg
+    msg = error(replica.ConfigError, replica.plan, mlp.model, mlp.example_inputs, options={"tie": 0.1})
+    assert "options must be a replica.PlannerOptions, got dict" in msg
+
+
+def test_auto_parallel_refuses_what_it_cannot_run(mlp):
+    msg = error(replica.ConfigError, replica.auto_parallel, mlp.model, mlp.example_inputs, mixed_precision=True)
+    assert "cannot run in mixed precision yet" in msg
+    msg = error(replica.ConfigError, replica.plan, mlp.model, mlp.example_inputs, data_parallel_size=2)
+    assert "data_parallel_size=2 needs a world of processes: give world_size=" in msg
+    msg = error(replica.ConfigError, replica.auto_parallel, mlp.model, mlp.example_inputs, tensor_parallel_size=2)
+    assert "tensor parallelism is not built yet" in msg
 
 
 def test_plan_num_stages_must_divide_world_size(mlp):

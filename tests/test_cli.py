@@ -22,7 +22,7 @@ def test_plan_prints_a_summary_and_writes_json(tmp_path, capsys):
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "2 stages" in text and "balance" in text
-    assert json.loads(out.read_text())["num_stages"] == 2
+    assert json.loads(out.read_text())["layout"]["num_stages"] == 2
 
 
 def test_plan_with_a_world_size(capsys):

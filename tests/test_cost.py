@@ -99,12 +99,47 @@ def test_spec_passes_through():
     assert device_spec(s) is s
 
 
-def test_unknown_device_lists_presets():
+@pytest.mark.parametrize("name", ["tpu-v9", "nonsense", "a100", "cuda:0"])
+def test_unknown_device_lists_presets(name):
     with pytest.raises(replica.ConfigError) as info:
-        device_spec("tpu-v9")
+        device_spec(name)
     msg = str(info.value)
-    assert "'tpu-v9'" in msg and "'cpu'" in msg and "'a100-80gb'" in msg and "'h100-80gb'" in msg
+    assert f"unknown device {name!r}" in msg
+    assert "'cpu'" in msg and "'a100-80gb'" in msg and "'a100-40gb'" in msg and "'h100-80gb'" in msg
     assert "replica.DeviceSpec(" in msg
+    assert ("preset_for_cuda_device(" in msg) == name.startswith("cuda")
+
+
+def test_a100_40gb_preset_has_half_the_memory():
+    small, large = PRESETS["a100-40gb"], PRESETS["a100-80gb"]
+    assert device_spec("a100-40gb") is small and small.name == "a100-40gb"
+    assert small.memory_bytes == 40 * 2**30 and small.memory_bandwidth < large.memory_bandwidth
+    assert (small.flops, small.half_flops, small.link_bandwidth) == (large.flops, large.half_flops,
+                                                                     large.link_bandwidth)
+
+
+@pytest.mark.parametrize("gpu, preset", [
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+    ("NVIDIA A100", "a100-40gb"),  # size not named: the smaller, whose plans fit either
+    ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H100 PCIe", "h100-80gb"), ("NVIDIA H100 NVL", "h100-80gb"),
+    ("NVIDIA H200", "h100-80gb"), ("NVIDIA GH200 480GB", "h100-80gb"),
+])
+def test_known_gpus_get_their_preset(gpu, preset):
+    assert cost.preset_for_cuda_device(gpu) == preset
+    assert device_spec(cost.preset_for_cuda_device(gpu)) is PRESETS[preset]
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-32GB", "NVIDIA A10G", "NVIDIA L40S",
+                                 "NVIDIA A800-SXM4-80GB", "NVIDIA H800", "NVIDIA B200", "AMD Instinct MI300X", ""])
+def test_an_unknown_gpu_is_refused_not_priced_as_an_a100(gpu):
+    with pytest.raises(replica.ConfigError) as info:
+        cost.preset_for_cuda_device(gpu)
+    msg = str(info.value)
+    assert f"no cost preset for the GPU {gpu!r}" in msg
+    assert "['a100-40gb', 'a100-80gb', 'h100-80gb']" in msg
+    assert "device='<preset>'" in msg and "replica.auto_parallel" in msg and "replica.plan" in msg
+    assert "replica.DeviceSpec(name=..., flops=..." in msg
 
 
 # --------------------------------------------------------------------------- measured CPU

@@ -135,21 +135,42 @@ def test_random_priorities_still_agree(layout, m, data):
     check_fifo(schedule, ordered(messages, linearize(schedule, messages, priority)))
 
 
-def test_posting_choice_and_its_errors(monkeypatch):
-    from replica.errors import ConfigError
+def test_mailbox_posts_in_the_pair_order_whatever_the_environment(monkeypatch):
+    """Rank 1 of a 2-stage 1F1B step posts its first receive at once and the rest in the
+    pair's order, each when the send before it went out, every tag 0: NCCL's matching. The
+    old ``REPLICA_P2P=eager`` switch (every receive up front, by tag) is gone."""
     from replica.pipeline import mailbox
+    from replica.pipeline.shapes import TensorMeta
 
-    monkeypatch.delenv("REPLICA_P2P", raising=False)
-    assert mailbox.ordered_posting()
-    monkeypatch.setenv("REPLICA_P2P", "sideways")
-    with pytest.raises(ConfigError, match="REPLICA_P2P='sideways'; use 'ordered'"):
-        mailbox.ordered_posting()
-    monkeypatch.setenv("REPLICA_P2P", "eager")
-    monkeypatch.setattr(mailbox.dist, "get_backend", lambda *a: "gloo")
-    assert not mailbox.ordered_posting()
-    monkeypatch.setattr(mailbox.dist, "get_backend", lambda *a: "nccl")
-    with pytest.raises(ConfigError, match="deadlocks under NCCL"):
-        mailbox.ordered_posting()
+    monkeypatch.setenv("REPLICA_P2P", "eager")  # ignored now
+    posted: list[tuple[str, tuple, int]] = []
+
+    def post(kind):
+        def op(tensor, peer, tag=0, **_):
+            posted.append((kind, peer, tag))
+            return _Work(True)
+        return op
+
+    monkeypatch.setattr(mailbox.dist, "irecv", post("recv"))
+    monkeypatch.setattr(mailbox.dist, "isend", post("send"))
+    schedule = make_schedule("1f1b", 2, 3)
+    messages = ordered(step_messages(chain(2), placement(schedule), 3, train=True),
+                       linearize(schedule, step_messages(chain(2), placement(schedule), 3, train=True)))
+    metas = [{"x0": TensorMeta((2,), torch.float32, True)} for _ in range(3)]
+    mail = Mailbox(messages, metas, me=1, global_rank=lambda r: r, device=torch.device("cpu"),
+                   wait=lambda work, what, peer: work.wait())
+    mine = [(m.key, m.dest == 1) for m in messages]
+    first_send = [r for _, r in mine].index(False)
+    assert first_send == 2  # 1F1B: rank 0 runs F0 F1 before its first backward
+    assert posted == [("recv", 0, 0)] * first_send  # posting stops at a send whose value is not made yet
+    for key, receiving in mine:
+        if receiving:
+            mail.receive(key, "activation")
+        else:
+            mail.send(key, torch.zeros(2))
+    mail.finish()
+    assert [kind for kind, _, _ in posted] == ["recv" if r else "send" for _, r in mine]
+    assert {(peer, tag) for _, peer, tag in posted} == {(0, 0)}
 
 
 def test_pair_digest_tells_orders_apart():
@@ -183,7 +204,7 @@ def _mailbox(waited: list) -> Mailbox:
         waited.append(what)
         work.wait()
 
-    return Mailbox([], [], me=0, global_rank=lambda r: r, device=torch.device("cpu"), ordered=True, wait=wait)
+    return Mailbox([], [], me=0, global_rank=lambda r: r, device=torch.device("cpu"), wait=wait)
 
 
 def test_a_finished_send_lets_go_of_its_payload():

@@ -16,7 +16,11 @@ import torch.nn.functional as F
 import replica
 from replica.pipeline import remat
 from replica.pipeline.weightgrad import WeightGrads, collecting, linear
-from replica.tuner import TIE
+from replica.layout import Layout
+from replica.partition.partitioner import MemoryModel
+from replica.partition.trace import trace
+from replica.planner import PlannerOptions, refine
+from replica.planner.pricing import Pricing
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 
@@ -248,13 +252,10 @@ def test_a_bad_recompute_names_the_choices(bad):
         replica.auto_parallel(model, inputs, num_stages=2, loss_fn=loss_fn, device=COMPUTE_BOUND, recompute=bad)
 
 
-def _planner(model, inputs, device=COMPUTE_BOUND):
-    from replica.api import MemoryModel, _Planner
-    from replica.partition.trace import trace
-
+def _pricing(model, inputs, device=COMPUTE_BOUND):
     traced = trace(model, inputs)
-    return _Planner(traced, model, traced.example, device=device, cost="analytic", memory_budget=None,
-                    memory_model=MemoryModel(), num_microbatches=4, num_stages_hint=2)
+    return Pricing(traced, model, device=device, cost="analytic", memory_budget=None, memory_model=MemoryModel(),
+                   num_microbatches=4, num_stages_hint=2)
 
 
 def test_the_planner_rebuilds_where_a_stage_waits():
@@ -262,13 +263,13 @@ def test_the_planner_rebuilds_where_a_stage_waits():
     for the slower one rebuilds both kinds, its activations lose them, and the predicted
     step stays within the tie. The slowest stage rebuilds nothing."""
     model, inputs, _, _ = models.tiny_gpt(8, num_layers=2)
-    planner = _planner(model, inputs)
-    raw = planner.partition_for(2, 4, "1f1b", finish=False)
-    plan = planner.finish(raw)
+    pricing = _pricing(model, inputs)
+    raw = pricing.partition_for(Layout.for_stages("1f1b", 2), 4)
+    plan = refine.finish(pricing, raw)
     slowest = max(raw.stages, key=lambda s: s.predicted_time_s).stage_index
     assert set(plan.rebuilds) == {(1 - slowest, "activation"), (1 - slowest, "norm")}
     assert plan.rebuilt(slowest) == frozenset()
-    assert plan.predicted_step_time_s <= raw.predicted_step_time_s * (1 + TIE)
+    assert plan.predicted_step_time_s <= raw.predicted_step_time_s * (1 + PlannerOptions().tie)
     before, after = raw.stages[1 - slowest], plan.stages[1 - slowest]
     assert after.memory.activations < before.memory.activations
     assert before.backward_time_s < after.backward_time_s and after.predicted_time_s <= raw.bottleneck_s
@@ -281,27 +282,25 @@ def test_the_planner_rebuilds_where_a_stage_waits():
 
 def test_a_free_rebuild_must_fit_the_idle_time_at_its_risk_price(monkeypatch):
     """The model under-prices rebuilds inside a running step (measured 2-3x): a rebuild is
-    taken for free only if, at REBUILD_RISK times its price, its stage stays within the
+    taken for free only if, at PlannerOptions().rebuild_risk times its price, its stage stays within the
     slowest and the step within the tie; the plan then predicts it at its price."""
-    from replica.api import REBUILD_RISK
-
     model, inputs, _, _ = models.tiny_gpt(8, num_layers=2)
-    planner = _planner(model, inputs)
-    raw = planner.partition_for(2, 4, "1f1b", finish=False)
+    pricing = _pricing(model, inputs)
+    raw = pricing.partition_for(Layout.for_stages("1f1b", 2), 4)
     fast = min(raw.stages, key=lambda s: s.predicted_time_s)
-    step_time = planner._step_time(raw)
+    step_time = refine._step_time(pricing, raw)
 
     def free(seconds):
-        trial = planner._with_rebuild(raw, fast.stage_index, seconds, 1000)
+        trial = refine._with_rebuild(raw, fast.stage_index, seconds, 1000)
         return trial.stages[fast.stage_index].predicted_time_s <= raw.bottleneck_s \
-            and step_time(trial) <= step_time(raw) * (1 + TIE)
+            and step_time(trial) <= step_time(raw) * (1 + PlannerOptions().tie)
 
     idle = raw.bottleneck_s - fast.predicted_time_s
     for seconds, taken in ((idle * 0.2, False), (idle * 0.02, True)):
-        assert free(seconds) and free(seconds * REBUILD_RISK) == taken
-        monkeypatch.setattr(planner, "_rebuild_candidates",
-                            lambda plan, fraction: {(fast.stage_index, "activation"): (seconds, 1000)})
-        plan = planner.rebuilds(raw)
+        assert free(seconds) and free(seconds * PlannerOptions().rebuild_risk) == taken
+        monkeypatch.setattr(refine, "_rebuild_candidates",
+                            lambda pricing, plan, fraction: {(fast.stage_index, "activation"): (seconds, 1000)})
+        plan = refine.rebuilds(pricing, raw)
         assert plan.rebuilds == (((fast.stage_index, "activation"),) if taken else ())
         assert plan.stages[fast.stage_index].backward_time_s == pytest.approx(
             fast.backward_time_s + (seconds if taken else 0.0))
@@ -314,16 +313,16 @@ def test_a_free_rebuild_keeps_the_rebuilds_that_pay_for_grading(monkeypatch):
     rebuilds, took LayerNorm rebuilds for free, and ran with the norms only, its peak over
     even sizes' by the GELU outputs the plan counted as freed.)"""
     model, inputs, _, _ = models.tiny_gpt(8, num_layers=2)
-    planner = _planner(model, inputs)
-    raw = planner.partition_for(2, 4, "1f1b", finish=False)
+    pricing = _pricing(model, inputs)
+    raw = pricing.partition_for(Layout.for_stages("1f1b", 2), 4)
     fast = min(raw.stages, key=lambda s: s.predicted_time_s).stage_index
-    paid = dataclasses.replace(planner._with_rebuild(raw, fast, 1e-9, 1000), rebuilds=((fast, "activation"),))
-    monkeypatch.setattr(planner, "_rebuild_candidates", lambda plan, fraction: {(fast, "norm"): (1e-9, 500)})
-    plan = planner.rebuilds(paid)
+    paid = dataclasses.replace(refine._with_rebuild(raw, fast, 1e-9, 1000), rebuilds=((fast, "activation"),))
+    monkeypatch.setattr(refine, "_rebuild_candidates", lambda pricing, plan, fraction: {(fast, "norm"): (1e-9, 500)})
+    plan = refine.rebuilds(pricing, paid)
     assert plan.rebuilds == ((fast, "activation"), (fast, "norm"))
     assert plan.stages[fast].activation_bytes == raw.stages[fast].activation_bytes - 1500
-    monkeypatch.setattr(planner, "_rebuild_candidates", lambda plan, fraction: {})
-    assert planner.rebuilds(paid).rebuilds == ((fast, "activation"),)  # nothing more to take: as it was
+    monkeypatch.setattr(refine, "_rebuild_candidates", lambda pricing, plan, fraction: {})
+    assert refine.rebuilds(pricing, paid).rebuilds == ((fast, "activation"),)  # nothing more to take: as it was
 
 
 @pytest.mark.parametrize("memory_bandwidth", [1e9, 1e6, 1e3], ids=["fast", "slow", "slowest"])
@@ -333,24 +332,25 @@ def test_a_rebuild_never_makes_a_stage_the_slowest(memory_bandwidth):
     rebuild), nor on one stage (nobody waits)."""
     model, inputs, _, _ = models.tiny_gpt(8, num_layers=4)
     device = dataclasses.replace(COMPUTE_BOUND, name="memory-test", memory_bandwidth=memory_bandwidth)
-    planner = _planner(model, inputs, device=device)
+    pricing = _pricing(model, inputs, device=device)
     for stages in (2, 3):
-        raw = planner.partition_for(stages, 4, "1f1b", finish=False)
-        plan = planner.finish(raw, graded=False)  # graded sizes may pay for memory with time: below
-        assert plan.predicted_step_time_s <= raw.predicted_step_time_s * (1 + TIE)
+        raw = pricing.partition_for(Layout.for_stages("1f1b", stages), 4)
+        plan = refine.finish(pricing, raw, graded=False)  # graded sizes may pay for memory with time: below
+        assert plan.predicted_step_time_s <= raw.predicted_step_time_s * (1 + PlannerOptions().tie)
         for k, _ in plan.rebuilds:
             assert plan.stages[k].predicted_time_s <= raw.bottleneck_s
         assert plan.rebuilt(max(raw.stages, key=lambda s: s.predicted_time_s).stage_index) == frozenset()
-    assert planner.finish(planner.partition_for(2, 4, "1f1b", recompute=True, finish=False)).rebuilds == ()
-    assert planner.finish(planner.partition_for(1, 4, "1f1b", finish=False)).rebuilds == ()
+    recomputing = pricing.partition_for(Layout.for_stages("1f1b", 2), 4, recompute=True)
+    assert refine.finish(pricing, recomputing).rebuilds == ()
+    assert refine.finish(pricing, pricing.partition_for(Layout.for_stages("1f1b", 1), 4)).rebuilds == ()
 
 
-def _peaks_and_step(planner, plan):
+def _peaks_and_step(pricing, plan):
     from replica.pipeline.simulate import simulate, stage_costs_from_plan
-    from replica.pipeline_model import plan_schedule
+    from replica.pipeline.schedule import plan_schedule
 
     schedule = plan_schedule(plan)
-    timeline = simulate(schedule, stage_costs_from_plan(plan, schedule, device=planner.spec),
+    timeline = simulate(schedule, stage_costs_from_plan(plan, schedule, device=pricing.spec),
                         sizes=plan.relative_microbatch_sizes)
     return timeline.peak_memory_bytes, timeline.step_time_s
 
@@ -366,19 +366,19 @@ def test_graded_microbatches_pay_for_their_memory_out_of_their_gain(memory_bandw
 
     model, inputs, _, _ = models.tiny_gpt(32, num_layers=4)
     device = dataclasses.replace(COMPUTE_BOUND, name="memory-test", memory_bandwidth=memory_bandwidth)
-    planner = _planner(model, inputs, device=device)
+    pricing = _pricing(model, inputs, device=device)
     paybacks = 0
     for stages in (2, 3):
-        raw = planner.partition_for(stages, 8, "1f1b", finish=False)
-        graded = planner.graded_plan(raw)
-        paid = planner.pay_for_grading(graded, raw)
-        plan = planner.finish(raw)
+        raw = pricing.partition_for(Layout.for_stages("1f1b", stages), 8)
+        graded = refine.graded_plan(pricing, raw)
+        paid = refine.pay_for_grading(pricing, graded, raw)
+        plan = refine.finish(pricing, raw)
         assert plan.microbatch_shares and plan.microbatch_shares == paid.microbatch_shares == graded.microbatch_shares
         assert set(paid.rebuilds) <= set(plan.rebuilds)
         (even_peaks, even_step), (graded_peaks, _), (paid_peaks, paid_step), (peaks, step) = (
-            _peaks_and_step(planner, p) for p in (raw, graded, paid, plan))
+            _peaks_and_step(pricing, p) for p in (raw, graded, paid, plan))
         assert paid_step <= even_step * (1 - MIN_GAIN) + 1e-12
-        assert step <= paid_step * (1 + TIE) + 1e-12
+        assert step <= paid_step * (1 + PlannerOptions().tie) + 1e-12
         assert all(a <= b <= c for a, b, c in zip(peaks, paid_peaks, graded_peaks))
         assert plan.rebuilt(max(raw.stages, key=lambda s: s.predicted_time_s).stage_index) == frozenset()
         paybacks += bool(paid.rebuilds)

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import replica
-from replica.train.data import epoch_order, make_source, num_samples_in, pad, shard
+from replica.train.data import epoch_order, make_source, num_samples_in, pad
 
 
 def sizes(source, **kw) -> list[int]:
@@ -65,11 +65,7 @@ def test_a_loader_keeps_its_order_and_its_short_last_batch_is_merged() -> None:
     assert sizes(source, start=1) == [38]
 
 
-def test_shard_and_pad() -> None:
-    batch = ((torch.arange(10),), torch.arange(10))
-    parts = [shard(batch, 3, i) for i in range(3)]
-    assert [len(p[1]) for p in parts] == [4, 3, 3]
-    assert torch.equal(torch.cat([p[0][0] for p in parts]), torch.arange(10))
+def test_pad() -> None:
     grown, n = pad((torch.arange(3),), 5)
     assert n == 3 and grown[0].tolist() == [0, 1, 2, 2, 2]
     same, n = pad((torch.arange(6),), 5)
@@ -94,7 +90,7 @@ def test_bad_data_raises_config_error(x, y, says: str) -> None:
         make_source(x, y, need_target=True)
 
 
-# --- keyword inputs: a dict of tensors batches, shards and pads as a tuple does ----------------
+# --- keyword inputs: a dict of tensors batches and pads as a tuple does ----------------
 
 def keywords(num_samples: int) -> dict[str, torch.Tensor]:
     return {"ids": torch.arange(num_samples * 2).view(num_samples, 2), "mask": torch.arange(num_samples).float()}
@@ -136,11 +132,8 @@ def test_a_loader_of_dicts_merges_its_short_last_batch_and_skips_on_resume() -> 
         epoch=0, batch_size=0, shuffle=False, seed=0, merge_last=False)] == [(4, None), (1, None)]  # for predict
 
 
-def test_shard_and_pad_a_dict() -> None:
-    x, y = keywords(10), torch.arange(10)
-    parts = [shard((x, y), 3, i) for i in range(3)]
-    assert [num_samples_in(p[0]) for p in parts] == [4, 3, 3] and all(list(p[0]) == ["ids", "mask"] for p in parts)
-    assert torch.equal(torch.cat([p[0]["ids"] for p in parts]), x["ids"])
+def test_pad_a_dict() -> None:
+    x = keywords(10)
     grown, n = pad(keywords(3), 5)
     assert n == 3 and grown["mask"].tolist() == [0, 1, 2, 2, 2] and grown["ids"][-1].tolist() == [4, 5]
     same, n = pad(x, 5)

@@ -11,7 +11,7 @@ import torch
 import replica
 from benchmarks.plan_175b import plan_175b
 from examples.gpt.model import GPTConfig
-from replica.tuner import SCHEDULE_CHOICES
+from replica.layout import TUNED_SCHEDULES as SCHEDULE_CHOICES
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 
@@ -19,7 +19,7 @@ from tests.conftest import COMPUTE_BOUND
 def test_the_tuner_fills_the_world():
     model, inputs, _, _ = models.tiny_gpt(16)
     p = replica.plan(model, inputs, world_size=4, device=COMPUTE_BOUND, schedule="auto")
-    assert p.num_stages // p.stages_per_rank * p.data_parallel_size == 4
+    assert p.layout.world_size == 4
     assert p.schedule in SCHEDULE_CHOICES
     assert p.predicted_step_time_s > 0 and 0 <= p.bubble_fraction < 1
 
@@ -63,7 +63,7 @@ def test_gpt3_175b_plans_on_1024_a100s():
     # minutes on a slow 2-core machine; the smaller tests here cover schedule="auto"
     plan = plan_175b(1024, schedule="1f1b")
     assert max(s.predicted_memory_bytes for s in plan.stages) <= 80 * 2**30
-    assert plan.num_stages // plan.stages_per_rank * plan.data_parallel_size == 1024
+    assert plan.layout.world_size == 1024
     assert plan.model_flops > 0 and "TFLOP/s per device" in plan.summary()
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 * 2**20  # KiB: under 4 GiB, no weights
 
@@ -86,7 +86,7 @@ def test_a_small_world_for_a_small_model_on_meta():
 
 
 def test_one_stage_may_split_its_batch():
-    from replica.tuner import _microbatch_choices
+    from replica.planner.tuner import _microbatch_choices
 
     assert _microbatch_choices(32, 1, None, 1) == [1, 2, 4, 8]
     assert _microbatch_choices(3, 1, None, 1) == [1, 2]

@@ -2,12 +2,13 @@
 
     python examples/gpt/train.py                   # 4 stages, 4 micro-batches, 1F1B, about 2 minutes on 2 CPU cores
     python examples/gpt/train.py --data input.txt --steps 2000 --schedule gpipe
-    torchrun --nproc-per-node 2 examples/gpt/train.py --threads 1   # one stage per rank, over gloo
+    torchrun --nproc-per-node 2 examples/gpt/train.py --threads 1   # 2 ranks over gloo, laid out by Replica
 
-Under torchrun (one node or several) every rank runs this same script; rank 0 prints. With
-more ranks than stages (``--num-stages 2`` on 4 ranks) the rest are data-parallel replicas:
-each trains its own ``--batch-size`` windows of one global draw, so the losses are those of
-one process training ``--batch-size`` x replicas.
+Under torchrun (one node or several) every rank runs this same script, on the same batches;
+rank 0 prints. With more ranks than stages (``--num-stages 2`` on 4 ranks) the rest are
+data-parallel replicas: each trains its slice of every ``--batch-size`` batch, so the
+losses are those of one process training the same batches. The script never works out a
+layout: Replica does.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `
 import replica  # noqa: E402
 from examples.gpt.data import VOCAB_SIZE, decode, encode, get_batch, load_corpus, train_val_split  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig, loss_fn  # noqa: E402
-from replica.pipeline.schedule import stages_per_rank  # noqa: E402
 from replica.train.elastic import init_process_group  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data", default=None, help="a text file; default: the standard library's .py sources")
     p.add_argument("--max-bytes", type=int, default=3_000_000, help="read at most this much text")
     p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="windows per step, over every data-parallel replica")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--sample-tokens", type=int, default=300)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads; default: torch's choice")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="CPU: glibc keeps freed memory for the next micro-batch (replica.keep_freed_memory; "
+                   "on in benchmarks)")
     p.add_argument("--trainer", action="store_true",
                    help="train through replica.get_trainer (the Keras-like front door) instead of the loop")
     return p.parse_args()
@@ -70,25 +73,14 @@ def estimate_loss(pm: replica.PipelineModel, data: torch.Tensor, args: argparse.
     device = next(pm.model.parameters()).device
     losses = []
     for _ in range(num_batches):
-        x, y = my_share(*get_batch(data, args.batch_size * pm.data_parallel_size, args.block_size, generator), pm)
-        logits = pm(x.to(device))  # (B, T, vocab_size): the pipelined forward, called like the model
+        x, y = get_batch(data, args.batch_size, args.block_size, generator)  # (B, T), (B, T)
+        logits = pm(x.to(device))  # (B, T, vocab_size): the pipelined forward, on every rank
         losses.append(loss_fn(logits, y.to(device)).item())
-    loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized():  # every rank of a replica holds its loss: the mean over replicas
-        torch.distributed.all_reduce(loss)
-        loss /= torch.distributed.get_world_size()
-    return float(loss)
+    return sum(losses) / len(losses)
 
 
 def first_rank() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-
-
-def my_share(x: torch.Tensor, y: torch.Tensor, pm: replica.PipelineModel) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel replica's rows of a global batch (all of it without replicas)."""
-    rows = x.shape[0] // pm.data_parallel_size
-    mine = slice(pm.data_parallel_rank * rows, (pm.data_parallel_rank + 1) * rows)
-    return x[mine], y[mine]
 
 
 def whole_model(pm: replica.PipelineModel, model: GPT) -> GPT:
@@ -123,6 +115,8 @@ def main() -> None:
     args = parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.keep_freed_memory:
+        replica.keep_freed_memory()  # process-wide: fewer page faults between micro-batches on CPU
     device = torch.device("cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one process per rank
         if torch.cuda.is_available():  # NCCL carries CUDA tensors: each rank on its node's GPU
@@ -130,9 +124,8 @@ def main() -> None:
             torch.cuda.set_device(device)
         init_process_group("nccl" if device.type == "cuda" else "gloo")
     say = print if first_rank() else (lambda *_, **__: None)  # rank 0 speaks for all
-    if args.num_stages is None and args.schedule != "auto":
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        args.num_stages = 4 if world == 1 else world * stages_per_rank(args.schedule)
+    if args.num_stages is None and args.schedule != "auto" and not torch.distributed.is_initialized():
+        args.num_stages = 4  # one process: four stages (under torchrun: Replica lays out the world)
     torch.manual_seed(args.seed)  # every rank builds the same initial model
 
     # Data: bytes in, bytes out.
@@ -168,7 +161,7 @@ def train_with_loop(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor
     x_example, _ = get_batch(train_data, args.batch_size, args.block_size, torch.Generator().manual_seed(0))
     pm = replica.auto_parallel(
         model,
-        (x_example.to(device),),  # one replica's batch
+        (x_example.to(device),),  # the batch the plain model takes, on every rank
         num_stages=args.num_stages,
         num_microbatches=args.num_microbatches,
         schedule=args.schedule,
@@ -178,13 +171,12 @@ def train_with_loop(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor
 
     # pm.parameters() are the model's own parameters (those this rank holds), so any optimizer works unchanged.
     optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.99))
-    global_batch = args.batch_size * pm.data_parallel_size
-    tokens_per_step = global_batch * args.block_size
+    tokens_per_step = args.batch_size * args.block_size
     t0 = time.perf_counter()
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
-        x, y = my_share(*get_batch(train_data, global_batch, args.block_size, generator), pm)  # (B, T), (B, T)
+        x, y = get_batch(train_data, args.batch_size, args.block_size, generator)  # (B, T), (B, T)
         optimizer.zero_grad(set_to_none=True)
         # every micro-batch forward and backward; the mean loss over the global batch
         loss = pm.train_step(x.to(device), y.to(device))

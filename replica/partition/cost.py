@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -16,7 +17,7 @@ from replica.errors import ConfigError
 from replica.partition.graph import Node
 from replica.partition.profile import OpTimes
 
-__all__ = ["DeviceSpec", "CostModel", "device_spec", "PRESETS"]
+__all__ = ["DeviceSpec", "CostModel", "device_spec", "preset_for_cuda_device", "PRESETS"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,11 +85,37 @@ PRESETS: dict[str, DeviceSpec] = {
                             memory_bytes=80 * 2**30, link_bandwidth=240 * GB, link_latency_s=10e-6,
                             op_overhead_s=6e-6, devices_per_node=8, network_bandwidth=25 * GB,
                             datasheet_flops=312e12),
+    # the A100 40GB: the same compute and links, 1.56 TB/s of HBM and half the memory
+    "a100-40gb": DeviceSpec(name="a100-40gb", flops=95e12, half_flops=190e12, memory_bandwidth=1.25e12,
+                            memory_bytes=40 * 2**30, link_bandwidth=240 * GB, link_latency_s=10e-6,
+                            op_overhead_s=6e-6, devices_per_node=8, network_bandwidth=25 * GB,
+                            datasheet_flops=312e12),
     "h100-80gb": DeviceSpec(name="h100-80gb", flops=300e12, half_flops=600e12, memory_bandwidth=2.7e12,
                             memory_bytes=80 * 2**30, link_bandwidth=360 * GB, link_latency_s=8e-6,
                             op_overhead_s=5e-6, devices_per_node=8, network_bandwidth=50 * GB,
                             datasheet_flops=989e12),
 }
+
+# torch.cuda.get_device_name() -> preset: "NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3", ...
+# An H200 (141 GB, 4.8 TB/s) or GH200 is priced as an H100: its plans fit, a little pessimistic.
+_CUDA_NAMES = ((r"\ba100\b.*\b40gb\b", "a100-40gb"), (r"\ba100\b.*\b80gb\b", "a100-80gb"),
+               (r"\ba100\b", "a100-40gb"),  # size not named: the smaller, whose plans fit either
+               (r"\bh100\b", "h100-80gb"), (r"\bg?h200\b", "h100-80gb"))
+
+
+def preset_for_cuda_device(name: str) -> str:
+    """The preset that prices the GPU ``torch.cuda.get_device_name()`` calls ``name``.
+    An A100 or H100/H200 only: any other GPU raises ``ConfigError`` rather than being
+    planned with another GPU's rates and memory."""
+    for pattern, preset in _CUDA_NAMES:
+        if re.search(pattern, str(name).lower()):
+            return preset
+    raise ConfigError(
+        f"no cost preset for the GPU {name!r}: Replica knows the A100 and the H100/H200 (presets "
+        f"{sorted(PRESETS)}). Pass device='<preset>' to replica.auto_parallel / replica.plan when the GPU is "
+        "close to one of them, or device=replica.DeviceSpec(name=..., flops=..., half_flops=..., "
+        "memory_bandwidth=..., memory_bytes=..., link_bandwidth=..., link_latency_s=...) with its own rates."
+    )
 
 
 def _cache_dir() -> Path:
@@ -108,7 +135,8 @@ def _measure_cpu() -> DeviceSpec:
     """Time a matmul, a large copy, a copy that fits this process's share of the last-level
     cache, and a tiny op, with this process's thread count."""
     threads = torch.get_num_threads()
-    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    g = torch.Generator().manual_seed(0)  # its own generator: measuring leaves the user's RNG alone
+    a, b = torch.randn(384, 384, generator=g), torch.randn(384, 384, generator=g)
     flops = 2 * 384**3 / _best_time(lambda: torch.mm(a, b), 20)
     size, cache = _last_level_cache(threads)
     big = max(32 * 2**20, 2 * size)  # each buffer twice the cache: the copy streams from memory
@@ -195,7 +223,7 @@ _CPU_SPECS: dict[int, DeviceSpec] = {}
 
 
 def device_spec(device: "str | DeviceSpec | torch.device | None") -> DeviceSpec:
-    """A preset by name (``"cpu"``, ``"a100-80gb"``, ``"h100-80gb"``), or a spec as given."""
+    """A preset by name (``"cpu"``, ``"a100-80gb"``, ``"a100-40gb"``, ``"h100-80gb"``), or a spec as given."""
     if isinstance(device, DeviceSpec):
         return device
     name = "cpu" if device is None else str(device)
@@ -203,8 +231,10 @@ def device_spec(device: "str | DeviceSpec | torch.device | None") -> DeviceSpec:
         return _cpu_spec()
     if name in PRESETS:
         return PRESETS[name]
+    gpu = (" (for a CUDA device, its preset is preset_for_cuda_device(torch.cuda.get_device_name(device)))"
+           if name.startswith("cuda") else "")
     raise ConfigError(
-        f"unknown device {name!r}. Use one of {['cpu', *PRESETS]} or pass "
+        f"unknown device {name!r}. Use one of {['cpu', *PRESETS]}{gpu} or pass "
         "replica.DeviceSpec(name=..., flops=..., half_flops=..., memory_bandwidth=..., "
         "memory_bytes=..., link_bandwidth=..., link_latency_s=...)."
     )

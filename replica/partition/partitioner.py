@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from replica.errors import ConfigError, PartitionError
+from replica.layout import Layout, schedule_kind
 from replica.partition.cost import CostModel
 from replica.partition.graph import INPUT, OP, Graph, Node, TensorInfo
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
@@ -333,6 +334,30 @@ def _infeasible(graph: Graph, num_stages: int, budgets: list[float],
     )
 
 
+def held_tensors(graph: Graph, members: Sequence[Sequence[Node]]) -> list[list[str]]:
+    """The parameters and buffers each stage holds: those its ops read, and those no op reads
+    (a ViT's ``mask_token``, used only when masks are passed), each on the first stage that
+    holds a tensor of its module, else of its nearest ancestor module's (the first stage at
+    the root). The plain model never gives such a tensor a ``.grad``; neither does its stage,
+    which still lists, saves and loads it."""
+    held = [list(dict.fromkeys(p for n in nodes for p in n.parameters + n.buffers)) for nodes in members]
+    owner: dict[str, int] = {}  # module path -> the first stage holding a tensor under it
+    for k in reversed(range(len(held))):
+        for name in held[k]:
+            path = name
+            while path:
+                path = path.rpartition(".")[0]
+                owner[path] = k
+    used = {p for names in held for p in names}
+    for name in graph.parameters:
+        if name not in used:
+            path = name.rpartition(".")[0]
+            while path and path not in owner:
+                path = path.rpartition(".")[0]
+            held[owner.get(path, 0)].append(name)
+    return held
+
+
 def _describe(
     graph: Graph, models: list[CostModel], bounds: list[int], bottleneck: float, m: int, schedule: str,
     flights: list[int], memory_model: MemoryModel, latency: list[float], exact: bool, lower_bound: float,
@@ -356,11 +381,12 @@ def _describe(
         for k in later:
             incoming[k].append(b)
 
+    held = held_tensors(graph, [nodes[bounds[k]:bounds[k + 1]] for k in range(num_stages)])
     stages = []
     for k in range(num_stages):
         cm = models[k]
         members = nodes[bounds[k]:bounds[k + 1]]
-        params = list(dict.fromkeys(p for n in members for p in n.parameters + n.buffers))
+        params = held[k]
         infos = [graph.parameters[p] for p in params]
         weight_bytes = sum(p.nbytes for p in infos if not p.is_buffer)
         numel = sum(p.nbytes // max(1, TensorInfo((), p.dtype).nbytes) for p in infos if not p.is_buffer)
@@ -402,8 +428,10 @@ def _describe(
     step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}
     devices = list(dict.fromkeys(cm.device.name for cm in models))
+    ranks = schedule_kind(schedule).pipeline_ranks(num_stages)  # the planner lays out the plan it keeps
     return Plan(
-        model_name=graph.model_name, num_stages=num_stages, num_microbatches=m, schedule=schedule,
+        model_name=graph.model_name, layout=Layout(schedule=schedule, num_stages=num_stages, pipeline_ranks=ranks),
+        num_microbatches=m,
         device=devices[0] if len(devices) == 1 else "+".join(devices), stages=tuple(stages),
         predicted_step_time_s=step, tied_parameters=tied, graph_fingerprint=fingerprint(graph),
         exact=exact, lower_bound_s=lower_bound, recompute=memory_model.recompute,

@@ -9,10 +9,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from replica.errors import ConfigError
+from replica.layout import Layout
 
 __all__ = ["BoundaryTensor", "MemoryBreakdown", "StagePlan", "Plan"]
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 1: num_stages, schedule, data_parallel_size and pipeline_ranks (0: one per stage) at the top
 
 
 @dataclass(frozen=True)
@@ -77,16 +78,16 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """A whole pipeline: ``stages[i]`` runs on pipeline rank ``rank_of_stage[i]``."""
+    """A whole pipeline: its :class:`~replica.layout.Layout` (schedule, stages, pipeline
+    ranks, replicas), each stage's ops, parameters and predicted costs, and what the
+    planner decided about micro-batches and memory."""
 
     model_name: str
-    num_stages: int
+    layout: Layout
     num_microbatches: int
-    schedule: str
     device: str
     stages: tuple[StagePlan, ...]
     predicted_step_time_s: float
-    data_parallel_size: int = 1
     tied_parameters: dict[str, tuple[str, ...]] = field(default_factory=dict)
     graph_fingerprint: str = ""
     exact: bool = True
@@ -96,7 +97,6 @@ class Plan:
     device_peak_flops: float = 0.0
     recompute: bool = False
     simulated_bubble: float = -1.0
-    pipeline_ranks: int = 0  # 0: one stage per rank
     microbatch_shares: tuple[float, ...] = ()  # relative micro-batch sizes; () is even
     # a backward sends its input gradient to another rank before computing its weight
     # gradients (faster; meanwhile it holds that micro-batch's layer inputs and output
@@ -107,12 +107,36 @@ class Plan:
     pointwise_recompute: bool = False
     # (stage, kind) pairs: the kinds of ops ("activation": GELU / SiLU, "norm": LayerNorm)
     # whose outputs a stage rebuilds anyway: to pay for graded micro-batches' memory, or
-    # where the planner found it as good as free (api._Planner.finish)
+    # where the planner found it as good as free (replica.planner.refine.finish)
     rebuilds: tuple[tuple[int, str], ...] = ()
+    # per graph input, the dims a call may change (torch.export fixes the others); () when
+    # not recorded. An fx graph takes any shape its code allows: every dim of every input.
+    dynamic_dims: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
             raise ConfigError(f"plan has {len(self.stages)} stages but num_stages={self.num_stages}")
+
+    # --- the layout's figures ----------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+    @property
+    def schedule(self) -> str:
+        return self.layout.schedule
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data_parallel_size
+
+    @property
+    def pipeline_ranks(self) -> int:
+        return self.layout.pipeline_ranks
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.layout.stages_per_rank
 
     # --- derived figures -------------------------------------------------------------
     @property
@@ -124,10 +148,6 @@ class Plan:
         """Slowest stage over the mean stage: 1.00 is perfect balance."""
         mean = sum(s.predicted_time_s for s in self.stages) / self.num_stages
         return self.bottleneck_s / mean if mean > 0 else 1.0
-
-    @property
-    def stages_per_rank(self) -> int:
-        return self.num_stages // self.pipeline_ranks if self.pipeline_ranks else 1
 
     @property
     def bubble_fraction(self) -> float:
@@ -164,7 +184,8 @@ class Plan:
             data: dict[str, Any] = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"not a Replica plan: invalid JSON ({exc})") from exc
-        if not isinstance(data, dict) or data.pop("format", None) != PLAN_FORMAT:
+        version = data.pop("format", None) if isinstance(data, dict) else None
+        if version not in (1, PLAN_FORMAT):
             raise ConfigError(f"not a Replica plan of format {PLAN_FORMAT}; re-create it with replica.plan(...)")
 
         def boundary(d: dict[str, Any]) -> BoundaryTensor:
@@ -191,6 +212,12 @@ class Plan:
             data["alternatives"] = tuple((str(a), float(t)) for a, t in data.get("alternatives", ()))
             data["microbatch_shares"] = tuple(float(x) for x in data.get("microbatch_shares", ()))
             data["rebuilds"] = tuple((int(k), str(kind)) for k, kind in data.get("rebuilds", ()))
+            data["dynamic_dims"] = tuple(tuple(int(d) for d in dims) for dims in data.get("dynamic_dims", ()))
+            if version == 1:  # the layout's figures stood at the top
+                ranks = data.pop("pipeline_ranks", 0) or data["num_stages"]
+                data["layout"] = {"schedule": data.pop("schedule"), "num_stages": data.pop("num_stages"),
+                                  "pipeline_ranks": ranks, "data_parallel_size": data.pop("data_parallel_size", 1)}
+            data["layout"] = Layout(**data["layout"])
             return cls(stages=stages, **data)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(
@@ -243,10 +270,13 @@ class Plan:
             lines.append(f"large graph: cut at its cheapest candidate points; bottleneck within {gap:.1%} "
                          "of the lower bound (total / stages, or the costliest op)")
         if self.model_flops and self.predicted_step_time_s > 0:
-            devices = self.num_stages // max(1, self.stages_per_rank) * self.data_parallel_size
+            devices = self.layout.world_size
             per_device = self.model_flops / self.predicted_step_time_s / max(1, devices)
             mfu = f", {per_device / self.device_peak_flops:.0%} model-FLOPs utilisation" if self.device_peak_flops else ""
             lines.append(f"predicted {per_device / 1e12:.1f} TFLOP/s per device{mfu}")
+        if self.dynamic_dims:
+            lines.append("dynamic dims per input (others fixed by torch.export): " + "; ".join(
+                f"input {i}: {', '.join(map(str, dims)) or 'none'}" for i, dims in enumerate(self.dynamic_dims)))
         if self.alternatives:
             lines.append("next best: " + "; ".join(f"{d} ({_seconds(t)})" for d, t in self.alternatives[:3]))
         for name, aliases in self.tied_parameters.items():

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from replica.errors import PipelineError, ReplicaError
+from replica.layout import Layout
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline import p2p
@@ -24,7 +25,7 @@ from replica.pipeline.clock import NO_CLOCK, StepClock, timing
 from replica.pipeline.gradsync import ReplicaReducer
 from replica.pipeline.p2p import BWD, FWD
 from replica.pipeline.local import RandomStreams, StepResult, holding_several, rebuild_map, run_stage, weighted_loss
-from replica.pipeline.mailbox import Mailbox, greet_peers, ordered_posting
+from replica.pipeline.mailbox import Mailbox, greet_peers
 from replica.pipeline.schedule import (BACKWARD, FORWARD, WEIGHT, Action, Schedule, fused_weight_grads,
                                        placement, splits_backward)
 from replica.pipeline.shapes import ShapeOracle, TensorMeta
@@ -44,27 +45,34 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 @dataclass(frozen=True)
 class Topology:
-    """``rank = data_parallel_rank × num_pipeline_ranks + pipeline_rank``."""
+    """This process's place in a :class:`~replica.layout.Layout`, which does the arithmetic."""
 
+    layout: Layout
     rank: int
-    world_size: int
-    num_pipeline_ranks: int
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def num_pipeline_ranks(self) -> int:
+        return self.layout.pipeline_ranks
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.num_pipeline_ranks
+        return self.layout.data_parallel_size
 
     @property
     def pipeline_rank(self) -> int:
-        return self.rank % self.num_pipeline_ranks
+        return self.layout.coordinates(self.rank).pipeline_rank
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.rank // self.num_pipeline_ranks
+        return self.layout.coordinates(self.rank).data_parallel_rank
 
     def global_rank(self, pipeline_rank: int, data_parallel_rank: int | None = None) -> int:
         dp = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
-        return dp * self.num_pipeline_ranks + pipeline_rank
+        return self.layout.global_rank(pipeline_rank, dp)
 
 
 @dataclass
@@ -121,7 +129,7 @@ class DistributedRuntime:
         # stage -> the kinds of ops whose outputs it rebuilds in backward (pipeline/remat.py):
         # with plan.pointwise_recompute every kind on the stages that hold several micro-batches
         # at once and those that hold a backward's layer inputs and output gradients until the
-        # input gradients have left (early); else the plan's rebuilds (api._Planner.finish)
+        # input gradients have left (early); else the plan's rebuilds (replica.planner.refine.finish)
         every = (holding_several(schedule, len(stages)) | self.early) if plan.pointwise_recompute else set()
         self.pointwise_recompute = {k: kinds for k, kinds in rebuild_map(every, plan.rebuilds).items()
                                     if k in self.stages}
@@ -131,7 +139,6 @@ class DistributedRuntime:
             for s in self.stages
         }
         self._make_groups()
-        self.ordered = ordered_posting()
         self.clock: StepClock = NO_CLOCK  # measure_step's, while it runs
         self.messages = {train: self._message_order(schedule, train) for train in (True, False)}
         greet_peers(self.messages[True] + self.messages[False], me=topology.pipeline_rank, rank=topology.rank,
@@ -193,7 +200,7 @@ class DistributedRuntime:
 
     def _message_order(self, schedule: Schedule, train: bool) -> list[p2p.Message]:
         """This rank's messages of a training (or inference) step, in the order both ends
-        of each pair post them; checked against NCCL's rules when posting is ordered."""
+        of each pair post them; checked against NCCL's rules."""
         edges = [(b.name, b.source_stage, d) for s in self.plan.stages for b in s.outputs
                  for d in b.destination_stages]
         messages = p2p.step_messages(edges, self.place, self.plan.num_microbatches, train=train)
@@ -206,8 +213,7 @@ class DistributedRuntime:
             except ReplicaError:
                 priority = None
         full = p2p.ordered(messages, p2p.linearize(actions, messages, priority))
-        if self.ordered:
-            p2p.check_fifo(actions, full)
+        p2p.check_fifo(actions, full)
         me = self.topology.pipeline_rank
         return [msg for msg in full if me in (msg.source, msg.dest)]
 
@@ -239,8 +245,7 @@ class DistributedRuntime:
     def _step(self, microbatches: Sequence[tuple[Any, ...]], train: bool) -> _Step:
         metas = [self.oracle(mb) for mb in microbatches]
         mail = Mailbox(self.messages[train], metas, me=self.topology.pipeline_rank,
-                       global_rank=self.topology.global_rank, device=self.device, ordered=self.ordered,
-                       wait=self._wait)
+                       global_rank=self.topology.global_rank, device=self.device, wait=self._wait)
         return _Step(metas=metas, mail=mail)
 
     def _received(self, step: _Step, key: tuple[str, int, int, int], action: Action) -> torch.Tensor:

@@ -31,10 +31,11 @@ MAX_WORK = 300_000  # simulated actions in all: big schedules try fewer sizes (a
 
 
 def grade(schedule: Sequence[Sequence[Action]], costs: Sequence[StageCosts], batch: int,
-          num_microbatches: int, memory_limit: float = float("inf")) -> tuple[tuple[int, ...], float, float]:
+          num_microbatches: int, memory_limit: float = float("inf"),
+          min_gain: float = MIN_GAIN) -> tuple[tuple[int, ...], float, float]:
     """Micro-batch sizes (samples, summing to ``batch``) that minimise the simulated step of
     ``schedule`` with ``costs`` (per even micro-batch, fixed parts included). Returns
-    ``(sizes, step_s, even_step_s)``; the sizes are even unless grading gains ``MIN_GAIN``.
+    ``(sizes, step_s, even_step_s)``; the sizes are even unless grading gains ``min_gain``.
 
     Larger middle micro-batches hold more activations: no rank's simulated peak may pass
     ``memory_limit`` (bytes per device). The search starts from even sizes and from seeds
@@ -99,7 +100,7 @@ def grade(schedule: Sequence[Sequence[Action]], costs: Sequence[StageCosts], bat
         sizes, t_sizes = improve(list(seed), t_seed)
         if t_sizes < best_s:
             best, best_s = sizes, t_sizes
-    if best_s > base * (1 - MIN_GAIN):
+    if best_s > base * (1 - min_gain):
         return tuple(even), base, base
     return tuple(best), best_s, base
 

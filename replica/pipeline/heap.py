@@ -1,4 +1,4 @@
-"""CPU ranks keep the memory a micro-batch frees for the next one, as a GPU caching allocator does.
+"""On request, CPU ranks keep the memory a micro-batch frees for the next one, as a GPU caching allocator does.
 
 glibc hands the free top of its heap back to the kernel once it grows past a trim
 threshold. A pipeline step frees and allocates the same activations micro-batch after
@@ -13,9 +13,11 @@ adaptive thresholds off, so both are set: the trim threshold alone would leave e
 block over 128 KiB to its own ``mmap``, faulted in at each allocation (25% slower here).
 
 The settings are process-wide and last until the process ends; a peak the process reached
-stays resident (peak RSS is unchanged: the pages were resident at the peak anyway). It is
-skipped where glibc is not the allocator, where the user tuned glibc's malloc already
-(``MALLOC_*_`` or ``GLIBC_TUNABLES``), and with ``REPLICA_MALLOC=system``.
+stays resident (peak RSS is unchanged: the pages were resident at the peak anyway). So
+nothing in Replica calls it unasked: call ``replica.keep_freed_memory()`` in each CPU rank
+(or pass ``keep_freed_memory=True`` to ``replica.get_trainer`` or
+``replica.launch.run_local``). It does nothing where glibc is not the allocator, or where the
+user tuned glibc's malloc already (``MALLOC_*_`` or ``GLIBC_TUNABLES``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ import ctypes.util
 import os
 import platform
 
-from replica.errors import ConfigError
-
 __all__ = ["keep_freed_memory", "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
 
 MMAP_THRESHOLD = 32 << 20  # glibc refuses more on 64-bit (HEAP_MAX_SIZE / 2)
@@ -34,12 +34,14 @@ TRIM_THRESHOLD = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
 _USER_TUNED = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
-_applied: bool | None = None  # once per process
+_applied: bool | None = None  # None until keep_freed_memory() is called
 
 
 def keep_freed_memory() -> bool:
-    """Tell glibc to keep freed memory for reuse (see the module's doc); once per process.
-    Returns whether the settings are in force."""
+    """Tell glibc to keep freed memory for reuse, for the rest of the process (see the module's
+    doc): CPU pipeline steps then stop faulting in the pages their previous micro-batch freed.
+    Opt-in and process-wide; the first call decides, later ones return its answer. Returns
+    whether the settings are in force (False: not glibc, or malloc tuned by the user)."""
     global _applied
     if _applied is None:
         _applied = _apply()
@@ -47,15 +49,8 @@ def keep_freed_memory() -> bool:
 
 
 def _apply() -> bool:
-    choice = os.environ.get("REPLICA_MALLOC", "keep").strip().lower()
-    if choice not in ("keep", "system"):
-        raise ConfigError(
-            f"REPLICA_MALLOC={choice!r}; use 'keep' (the default: CPU ranks keep freed memory for the next "
-            "micro-batch) or 'system' (glibc's own trimming)"
-        )
-    if choice == "system" or any(k in os.environ for k in _USER_TUNED) or "malloc" in os.environ.get(
-            "GLIBC_TUNABLES", ""):
-        return False
+    if any(k in os.environ for k in _USER_TUNED) or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False  # the user's own settings win
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     preload = os.environ.get("LD_PRELOAD", "")

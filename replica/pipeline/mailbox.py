@@ -1,28 +1,26 @@
 """One rank's point-to-point messages of one pipeline step: posting, sending, receiving.
 
-The messages and their order come from :mod:`replica.pipeline.p2p`. By default each pair
-posts them in that agreed order (NCCL matches the ops between two ranks by order, not
-tag), every tag 0: a receive as soon as the order allows, a send as soon as its value
-exists. ``REPLICA_P2P=eager`` (gloo only) posts every receive up front instead and
-matches by tag (a message's place in its pair's list). Either way a rank blocks only on
-the receive its next action reads, with the runtime's timeout.
+The messages and their order come from :mod:`replica.pipeline.p2p`. Each pair posts them
+in that agreed order (NCCL matches the ops between two ranks by order, not tag), every
+tag 0: a receive as soon as the order allows, a send as soon as its value exists. A rank
+blocks only on the receive its next action reads, with the runtime's timeout. (Posting
+every gloo receive up front, matched by tag, measured no faster: benchmarks/RESULTS.md.)
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from replica.errors import ConfigError, PipelineError
+from replica.errors import PipelineError
 from replica.pipeline.p2p import BWD, FWD, Message
 from replica.pipeline.shapes import TensorMeta
 
-__all__ = ["Mailbox", "ordered_posting", "greet_peers", "digest"]
+__all__ = ["Mailbox", "greet_peers", "digest"]
 
 Key = tuple[str, int, int, int]  # (value, reading stage, micro-batch, direction)
 Wait = Callable[[Any, str, int], None]  # (work, what, global peer rank): raises on a dead peer
@@ -34,40 +32,30 @@ class Mailbox:
     ``me`` is this rank's pipeline rank; ``global_rank`` maps a pipeline rank to its process."""
 
     def __init__(self, messages: Sequence[Message], metas: Sequence[dict[str, Any]], *, me: int,
-                 global_rank: Callable[[int], int], device: torch.device, ordered: bool, wait: Wait) -> None:
-        self.metas, self.device, self.ordered, self.wait = metas, device, ordered, wait
+                 global_rank: Callable[[int], int], device: torch.device, wait: Wait) -> None:
+        self.metas, self.device, self.wait = metas, device, wait
         self.global_rank = global_rank
         self.recvs: dict[Key, tuple[Any, torch.Tensor]] = {}
         self.sends: dict[Key, tuple[Any, torch.Tensor, str, int]] = {}
         self.queues: dict[int, deque[tuple[bool, Message]]] = {}  # per peer: ops not yet posted
         self.outbox: dict[Key, torch.Tensor] = {}  # values made whose send waits for its turn
-        self.tags: dict[Key, int] = {}
         self.peer: dict[Key, int] = {}
-        count: dict[int, int] = {}
         for msg in messages:
             sending = msg.source == me
             peer = msg.dest if sending else msg.source
-            tag = count[peer] = count.get(peer, -1) + 1  # its place in the pair's list: the same at both ends
             meta = metas[msg.microbatch][msg.name]
             if not isinstance(meta, TensorMeta) or (msg.direction == BWD and not meta.requires_grad):
                 continue  # a Python value (worked out locally), or a gradient nobody needs
-            self.tags[msg.key], self.peer[msg.key] = tag, peer
-            if ordered:
-                self.queues.setdefault(peer, deque()).append((sending, msg))
-            elif not sending:
-                self._irecv(msg, tag)
+            self.peer[msg.key] = peer
+            self.queues.setdefault(peer, deque()).append((sending, msg))
         for peer in self.queues:
             self._pump(peer)
 
     def send(self, key: Key, tensor: torch.Tensor) -> None:
         """Send ``tensor`` as message ``key`` (now, or when its turn in the pair's order comes)."""
         self._release()
-        payload = tensor.detach().contiguous()
-        if self.ordered:
-            self.outbox[key] = payload
-            self._pump(self.peer[key])
-        else:
-            self._isend(key, payload, tag=self.tags[key])
+        self.outbox[key] = tensor.detach().contiguous()
+        self._pump(self.peer[key])
 
     def receive(self, key: Key, what: str) -> torch.Tensor:
         """Wait for message ``key``. A gradient coming back also means its activation's send
@@ -75,7 +63,7 @@ class Mailbox:
         if key not in self.recvs:
             raise PipelineError(
                 f"this rank needs the {what} before it posted its receive: the message order disagrees with the "
-                "action lists (a Replica bug; REPLICA_P2P=eager avoids it under gloo)"
+                "action lists (a Replica bug)"
             )
         work, buf = self.recvs.pop(key)
         self.wait(work, what, self.global_rank(self.peer[key]))
@@ -115,33 +103,18 @@ class Mailbox:
                 payload = self.outbox.pop(msg.key, None)
                 if payload is None:
                     return
-                self._isend(msg.key, payload, tag=0)
+                self._isend(msg.key, payload)
             else:
-                self._irecv(msg, tag=0)
+                self._irecv(msg)
             queue.popleft()
 
-    def _irecv(self, msg: Message, tag: int) -> None:
+    def _irecv(self, msg: Message) -> None:
         buf = self.metas[msg.microbatch][msg.name].empty(self.device)
-        self.recvs[msg.key] = (dist.irecv(buf, self.global_rank(self.peer[msg.key]), tag=tag), buf)
+        self.recvs[msg.key] = (dist.irecv(buf, self.global_rank(self.peer[msg.key])), buf)
 
-    def _isend(self, key: Key, payload: torch.Tensor, tag: int) -> None:
+    def _isend(self, key: Key, payload: torch.Tensor) -> None:
         peer = self.global_rank(self.peer[key])
-        self.sends[key] = (dist.isend(payload, peer, tag=tag), payload, f"sending {key[0]!r} of micro-batch {key[2]}",
-                           peer)
-
-
-def ordered_posting() -> bool:
-    """Post each pair's messages in one agreed order (the default; NCCL needs it), unless
-    ``REPLICA_P2P=eager`` asks gloo for every receive up front, matched by tag."""
-    choice = os.environ.get("REPLICA_P2P", "ordered").strip().lower()
-    if choice not in ("ordered", "eager"):
-        raise ConfigError(f"REPLICA_P2P={choice!r}; use 'ordered' (the default) or 'eager' (gloo only)")
-    if choice == "eager" and dist.get_backend() == "nccl":
-        raise ConfigError(
-            "REPLICA_P2P=eager posts every receive up front, which deadlocks under NCCL (it matches point-to-point "
-            "ops by order, not tag); unset REPLICA_P2P"
-        )
-    return choice == "ordered"
+        self.sends[key] = (dist.isend(payload, peer), payload, f"sending {key[0]!r} of micro-batch {key[2]}", peer)
 
 
 def greet_peers(messages: Sequence[Message], *, me: int, rank: int, global_rank: Callable[[int], int],

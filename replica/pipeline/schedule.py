@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from replica.errors import ScheduleError
+from replica.layout import schedule_kind, schedule_names
 from replica.pipeline.actions import (BACKWARD, FORWARD, KINDS, WEIGHT, Action, Schedule, check_looped,
                                       check_sizes, placement, splits_backward)
 from replica.pipeline.replay import play
@@ -118,8 +119,8 @@ V_SHAPED = {"zb-v": zero_bubble_v}
 
 
 def stages_per_rank(name: str) -> int:
-    """How many stages the named schedule puts on each pipeline rank by default."""
-    return 2 if name.lower() in INTERLEAVED or name.lower() in V_SHAPED else 1
+    """How many stages the named schedule puts on each pipeline rank by default (the registry's)."""
+    return schedule_kind(name).stages_per_rank
 
 
 
@@ -165,7 +166,7 @@ def make_schedule(
                                                                   if durations and key == "zb-h1" else {}))
     else:
         raise ScheduleError(
-            f"unknown schedule {name!r}; choose one of {sorted([*SCHEDULES, *INTERLEAVED, *V_SHAPED])}"
+            f"unknown schedule {name!r}; choose one of {schedule_names()}"
         )
     if check:  # the generators are tested; the tuner skips re-validating thousands of them
         validate(schedule, num_stages, num_microbatches)
@@ -195,7 +196,7 @@ def plan_schedule(plan: "Plan", num_ranks: int | None | Literal["plan"] = "plan"
     rank derive the same ones from the same plan. ``num_ranks`` defaults to the plan's own
     pipeline ranks (``Plan.pipeline_ranks``); None leaves it to the schedule."""
     if num_ranks == "plan":
-        num_ranks = plan.pipeline_ranks or None
+        num_ranks = plan.pipeline_ranks
     forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
     return make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks, check=check,
                          durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))

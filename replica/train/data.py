@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from replica.errors import ConfigError
 
 __all__ = ["Batch", "Inputs", "DataSource", "LoaderSource", "make_source", "epoch_order", "num_samples_in",
-           "shard", "pad"]
+           "pad"]
 
 Inputs = Union[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]  # model(*inputs) or model(**inputs)
 Batch = tuple[Inputs, Any]  # (inputs, target)
@@ -217,15 +217,6 @@ def make_source(x: Any, y: Any, *, need_target: bool) -> DataSource:
     if need_target and y is None:
         raise ConfigError("y is None: pass the targets (one per sample of x), or a Dataset / DataLoader of (x, y) as x")
     return TensorSource(_as_inputs(x), y)
-
-
-def shard(batch: Batch, num_shards: int, index: int) -> Batch:
-    """This data-parallel replica's slice of a global batch (sizes differ by at most one)."""
-    if num_shards == 1:
-        return batch
-    inputs = tree_map(lambda t: torch.tensor_split(t, num_shards)[index], batch[0])
-    target = None if batch[1] is None else torch.tensor_split(batch[1], num_shards)[index]
-    return inputs, target
 
 
 def pad(inputs: Inputs, min_size: int) -> tuple[Inputs, int]:

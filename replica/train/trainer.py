@@ -29,10 +29,9 @@ from torch.utils._pytree import tree_map
 from replica.api import PipelineModel, auto_parallel
 from replica.defaults import TrainerConfig, default_config
 from replica.errors import ConfigError
-from replica.pipeline import microbatch
-from replica.pipeline.schedule import stages_per_rank
+from replica.pipeline import heap, microbatch
 from replica.train import checkpoint as ckpt
-from replica.train.data import Batch, DataSource, Inputs, LoaderSource, make_source, num_samples_in, pad, shard
+from replica.train.data import Batch, DataSource, Inputs, LoaderSource, make_source, num_samples_in, pad
 from replica.train.metrics import batch_sums, metric_names
 from replica.train.optim import OptimizerFactory, make_optimizer
 from replica.train.report import Reporter
@@ -67,8 +66,10 @@ class Trainer:
     """
 
     def __init__(self, config: TrainerConfig, model: torch.nn.Module, loss: LossFn,
-                 optimizer: torch.optim.Optimizer | OptimizerFactory) -> None:
+                 optimizer: torch.optim.Optimizer | OptimizerFactory, *, keep_freed_memory: bool = False) -> None:
         self.config = config
+        if keep_freed_memory:  # asked for: process-wide, for the rest of the process (pipeline/heap.py)
+            heap.keep_freed_memory()
         if config.device is not None:
             device = torch.device(config.device)
             if device.type == "cuda" and device.index is None and _distributed():
@@ -113,35 +114,30 @@ class Trainer:
                                  metrics_file=c.metrics_file)
 
     # --- the pipeline ----------------------------------------------------------------------
-    def _replicas(self) -> int:
-        """Data-parallel replicas before the plan exists: as configured, else what ``num_stages``
-        leaves of the world, else none (every rank a pipeline rank)."""
+    def _replicas_asked(self) -> int | None:
+        """The data-parallel replicas to ask auto_parallel for: as configured; under torchrun
+        none (one stage per rank) unless num_stages leaves some (None: the planner's)."""
         c = self.config
         if self.world_size == 1:
+            return None
+        if c.data_parallel_size is None and c.num_stages is None:
             return 1
-        if c.data_parallel_size is not None:
-            return c.data_parallel_size
-        if c.num_stages is not None:
-            ranks = max(1, c.num_stages // stages_per_rank(c.schedule))
-            if self.world_size % ranks == 0:
-                return self.world_size // ranks
-        return 1
+        return c.data_parallel_size
 
     def _build(self, source: DataSource, batch_size: int) -> None:
-        """Trace, plan and split on a first batch of ``batch_size`` (this replica's share of it);
-        a data set smaller than that is repeated to fill it, so the plan never depends on its size.
-        A ``DataLoader``'s first batch is taken as it comes: the loader sets the batch size."""
+        """Trace, plan and split on a first (global) batch of ``batch_size``; a data set smaller
+        than that is repeated to fill it, so the plan never depends on its size. A
+        ``DataLoader``'s first batch is taken as it comes: the loader sets the batch size."""
         first = next(source.batches(epoch=0, batch_size=batch_size, shuffle=False, seed=0, merge_last=False))
-        d = self._replicas()
         inputs = first[0] if isinstance(source, LoaderSource) else pad(first[0], batch_size)[0]
-        inputs = shard((inputs, None), d, 0)[0]
         c = self.config
         example = self._to_device((inputs, None))[0]
         args, kwargs = ((), example) if isinstance(example, dict) else (example, None)
         pm = auto_parallel(self.model, args, example_kwargs=kwargs, num_stages=c.num_stages,
                            num_microbatches=c.num_microbatches, schedule=c.schedule, loss_fn=self.loss,
                            loss_reduction=self.loss_reduction,
-                           data_parallel_size=d if self.world_size > 1 else None, timeout_s=c.timeout_s)
+                           data_parallel_size=self._replicas_asked(),
+                           timeout_s=c.timeout_s)
         held = dict(pm.named_parameters())
         self._names = {id(p): name for name, p in held.items()}
         self.optimizer = make_optimizer(self._optimizer_arg, self._model_names, held)
@@ -244,7 +240,7 @@ class Trainer:
                      shuffle: bool, on_step_end: Callable[["Trainer"], None] | None) -> dict[str, Any]:
         assert self.pipeline is not None
         c, pm = self.config, self.pipeline
-        d, r = pm.data_parallel_size, pm.data_parallel_rank
+        d = pm.data_parallel_size
         batches = source.batches(epoch=epoch, batch_size=batch_size, shuffle=shuffle, seed=c.seed,
                                  merge_last=True, start=first)
         self.reporter.start_epoch(epoch, end_epoch, source.num_batches(batch_size, True), first)
@@ -260,7 +256,7 @@ class Trainer:
                     f"{d} replicas: use batches of at least {self._min_batch} samples (batch_size, or the "
                     "DataLoader's), or set num_microbatches lower"
                 )
-            inputs, target = self._to_device(shard(batch, d, r))
+            inputs, target = self._to_device(batch)  # the global batch: each replica trains its slice
             pm.zero_grad()
             loss = float(pm.train_step(inputs, target))
             if self.optimizer is not None:
@@ -344,10 +340,9 @@ class Trainer:
                                        + "; ".join(f"rank {r}: {p}" for r, p in failed.items()))
 
     # --- inference -------------------------------------------------------------------------
-    def _outputs(self, source: DataSource, batch_size: int | None,
-                 replica_share: bool) -> Iterator[tuple[Any, Any, int]]:
-        """``(output, target, n)`` per batch, in order; with ``replica_share`` each data-parallel
-        replica takes every ``d``-th batch. Batches under the micro-batch count are padded."""
+    def _outputs(self, source: DataSource, batch_size: int | None) -> Iterator[tuple[Any, Any, int]]:
+        """``(output, target, n)`` per batch, in order, on every rank (each data-parallel replica
+        runs its slice of each batch). Batches under a micro-batch per replica are padded."""
         c = self.config
         batch_size = c.batch_size if batch_size is None else batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -356,17 +351,14 @@ class Trainer:
             self._build(source, c.batch_size)
         pm = self.pipeline
         assert pm is not None
-        d, r = (pm.data_parallel_size, pm.data_parallel_rank) if replica_share else (1, 0)
         was_training = self.model.training
         pm.eval()
         try:
             with torch.no_grad():
                 batches = source.batches(epoch=0, batch_size=batch_size, shuffle=False, seed=0, merge_last=False)
-                for j, batch in enumerate(batches):
-                    if j % d != r:
-                        continue
+                for batch in batches:
                     inputs, target = self._to_device(batch)
-                    padded, n = pad(inputs, pm.plan.num_microbatches)
+                    padded, n = pad(inputs, self._min_batch)
                     yield _take(_call(pm, padded), n), target, n
         finally:
             pm.train(was_training)
@@ -380,9 +372,9 @@ class Trainer:
         self._join_world()
         self._agree("evaluate", (source.num_samples, batch_size, names))
         totals = torch.zeros(4, dtype=torch.float64)
-        for out, target, n in self._outputs(source, batch_size, replica_share=True):
+        for out, target, n in self._outputs(source, batch_size):
             assert self.pipeline is not None
-            if self.pipeline.pipeline_rank == 0:  # every pipeline rank holds the output: count it once
+            if self.rank == 0:  # every rank holds the whole output: count it once
                 totals += torch.tensor(batch_sums(self.loss, names, out, target, n), dtype=torch.float64)
         if _distributed():
             work = dist.all_reduce(totals, async_op=True)
@@ -398,11 +390,11 @@ class Trainer:
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
         """The model's outputs for every sample of ``x`` (a tensor, tuple, dict, Dataset or DataLoader),
-        concatenated along dim 0; on every rank (each replica computes all of them)."""
+        concatenated along dim 0; on every rank (each replica computes its slice of every batch)."""
         source = make_source(x, None, need_target=False)
         self._join_world()
         self._agree("predict", (source.num_samples, batch_size))
-        outputs = [out for out, _, _ in self._outputs(source, batch_size, replica_share=False)]
+        outputs = [out for out, _, _ in self._outputs(source, batch_size)]
         return microbatch.merge(outputs)
 
     def __repr__(self) -> str:
@@ -412,10 +404,14 @@ class Trainer:
 
 def get_trainer(config: TrainerConfig | None = None, model: torch.nn.Module | None = None,
                 loss: LossFn | None = None,
-                optimizer: torch.optim.Optimizer | OptimizerFactory | None = None) -> Trainer:
+                optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, *,
+                keep_freed_memory: bool = False) -> Trainer:
     """A :class:`Trainer` for ``model``. ``optimizer``: one built on ``model.parameters()`` (rebuilt
     per rank for the parameters it holds, by name, keeping class, defaults and param groups)
-    or a factory ``params -> optimizer``. The pipeline is built on the first batch."""
+    or a factory ``params -> optimizer``. The pipeline is built on the first batch.
+    ``keep_freed_memory``: call :func:`replica.keep_freed_memory` (CPU ranks, glibc) first."""
+    if not isinstance(keep_freed_memory, bool):
+        raise ConfigError(f"keep_freed_memory must be True or False, got {keep_freed_memory!r}")
     config = default_config() if config is None else config
     if not isinstance(config, TrainerConfig):
         raise ConfigError(f"config must be a replica.defaults.TrainerConfig (default_config()), got "
@@ -432,4 +428,4 @@ def get_trainer(config: TrainerConfig | None = None, model: torch.nn.Module | No
             f"optimizer must be a torch.optim.Optimizer on model.parameters() or a factory params -> optimizer, "
             f"got {type(optimizer).__name__}"
         )
-    return Trainer(config, model, loss, optimizer)
+    return Trainer(config, model, loss, optimizer, keep_freed_memory=keep_freed_memory)

@@ -118,17 +118,14 @@ def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: i
 
 def data_parallel_job(rank: int, world: int, num_stages: int, num_microbatches: int,
                       schedule: str = "1f1b") -> bytes:
-    """Each replica trains on its own half of a batch of 16; gradients are the whole batch's."""
+    """Every rank is given the same batch of 16, as the plain model would be; each replica
+    trains its half, and the gradients are the whole batch's."""
     torch.manual_seed(0)
     model, inputs, target, loss_fn = models.tiny_gpt(16, size_ops=True)
     ref, ref_loss = _reference(model, inputs, target, loss_fn)
-    example = tuple(x[:8] for x in inputs)
-    pm = replica.auto_parallel(model, example, num_stages=num_stages, num_microbatches=num_microbatches,
+    pm = replica.auto_parallel(model, inputs, num_stages=num_stages, num_microbatches=num_microbatches,
                                schedule=schedule, loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S)
-    d = pm.data_parallel_rank
-    mine = slice(8 * d, 8 * d + 8)
-    my_inputs = tuple(x[mine] for x in inputs)
-    loss = pm.train_step(my_inputs, target[mine])
+    loss = pm.train_step(inputs, target)
     torch.testing.assert_close(loss, ref_loss)
     names = _assert_same_grads(pm, ref)
     return _portable({
@@ -138,7 +135,7 @@ def data_parallel_job(rank: int, world: int, num_stages: int, num_microbatches: 
         "loss": loss.item(),
         "names": names,
         "tied_grad": _tied_grad(pm),
-        "forward_error": _forward_error(pm, ref, my_inputs),
+        "forward_error": _forward_error(pm, ref, inputs),  # the whole batch's output on every rank
     })
 
 
@@ -256,18 +253,10 @@ def branchy() -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def unet_eager() -> list[list[dict]]:
-    """The U-Net again with REPLICA_P2P=eager (every receive posted up front, matched by tag)
-    and each backward's weight gradients computed before its input gradient is sent."""
-    old = os.environ.get("REPLICA_P2P")
-    os.environ["REPLICA_P2P"] = "eager"  # the spawned ranks inherit it
-    try:
-        return _run(transparency_job, 3, "unet", 8, 3, 4, ("1f1b",), False)
-    finally:
-        if old is None:
-            del os.environ["REPLICA_P2P"]
-        else:
-            os.environ["REPLICA_P2P"] = old
+def unet_late() -> list[list[dict]]:
+    """The U-Net again with each backward's weight gradients computed before its input
+    gradient is sent."""
+    return _run(transparency_job, 3, "unet", 8, 3, 4, ("1f1b",), False)
 
 
 @pytest.fixture(scope="module")
@@ -359,8 +348,8 @@ def test_unet_long_skips_on_three_ranks(unet):
         _assert_pipeline_cut("unet", reports)
 
 
-def test_unet_with_receives_posted_up_front_and_late_input_gradients(unet_eager):
-    _assert_pipeline_cut("unet", [r[0] for r in unet_eager])
+def test_unet_with_late_input_gradients(unet_late):
+    _assert_pipeline_cut("unet", [r[0] for r in unet_late])
 
 
 def test_two_input_branchy_with_uneven_microbatches(branchy):
@@ -472,7 +461,7 @@ def test_bucket_all_reduces_start_during_backward():
         assert report["during"] == 8  # autograd finished every one inside backward
 
 
-@pytest.mark.parametrize("job", ["gpt", "unet", "unet_eager", "branchy", "interleaved", "data_parallel"])
+@pytest.mark.parametrize("job", ["gpt", "unet", "unet_late", "branchy", "interleaved", "data_parallel"])
 def test_pipelined_forward_returns_plain_output_on_every_rank(job, request):
     results = request.getfixturevalue(job)
     reports = results if job == "data_parallel" else [report for rank in results for report in rank]

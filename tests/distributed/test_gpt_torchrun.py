@@ -65,10 +65,11 @@ def _two_nodes(procs_per_node: int, *args: str) -> str:
 
 
 @pytest.mark.parametrize("procs_per_node, torchrun_args, reference_args", [
-    # one stage per node, the default under torchrun: the one-process run with 2 stages
-    (1, ["--batch-size", "8"], ["--batch-size", "8", "--num-stages", "2"]),
-    # 2 stages x 2 data-parallel replicas over 4 ranks on 2 nodes, 8 windows each: one process training 16
-    (2, ["--batch-size", "8", "--num-stages", "2"], ["--batch-size", "16", "--num-stages", "2"]),
+    # one stage per node: the one-process run with 2 stages
+    (1, ["--batch-size", "8", "--num-stages", "2"], ["--batch-size", "8", "--num-stages", "2"]),
+    # 2 stages x 2 data-parallel replicas over 4 ranks on 2 nodes, the same 16 windows a step on every rank
+    # (each replica trains 8 of them): one process training the 16
+    (2, ["--batch-size", "16", "--num-stages", "2"], ["--batch-size", "16", "--num-stages", "2"]),
 ], ids=["pipeline-across-nodes", "pipeline-x-data-across-nodes"])
 def test_multi_node_torchrun_trains_the_gpt_example_as_one_process_does(
         procs_per_node: int, torchrun_args: list[str], reference_args: list[str]) -> None:

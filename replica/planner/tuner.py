@@ -15,32 +15,22 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from replica.errors import PartitionError, ScheduleError
+from replica.layout import TUNED_SCHEDULES, Layout, schedule_kind
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
-from replica.pipeline.schedule import (
-    WEIGHT_SHARE,
-    durations_of,
-    make_schedule,
-    max_in_flight,
-    stage_scale_of,
-    stages_per_rank,
-)
+from replica.pipeline.schedule import WEIGHT_SHARE, durations_of, make_schedule, max_in_flight, stage_scale_of
 from replica.pipeline.simulate import StageCosts, simulate
+from replica.planner.options import PlannerOptions
 
-__all__ = ["Candidate", "tune", "SCHEDULE_CHOICES"]
-
-SCHEDULE_CHOICES = ("1f1b", "zb-h1", "zb-v", "zb-interleaved", "interleaved", "gpipe")
+__all__ = ["Candidate", "tune"]
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One configuration and what the simulator predicts for it."""
 
-    num_pipeline_ranks: int
-    data_parallel_size: int
-    num_stages: int
+    layout: Layout
     num_microbatches: int
-    schedule: str
     step_time_s: float
     peak_memory_bytes: int
     fits: bool
@@ -48,8 +38,7 @@ class Candidate:
     bubble: float = -1.0
 
     def describe(self) -> str:
-        return (f"{self.num_pipeline_ranks} pipeline x {self.data_parallel_size} data, {self.num_stages} stages, "
-                f"{self.schedule}, {self.num_microbatches} micro-batches"
+        return (f"{self.layout.describe()}, {self.num_microbatches} micro-batches"
                 f"{', recompute' if self.recompute else ''}")
 
 
@@ -57,14 +46,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-MAX_SIMULATED_ACTIONS = 60_000
-# Two predicted step times within this fraction of each other are a tie, broken by memory:
-# the cost model does not resolve 1% (its CPU predictions are 6-16% low, benchmarks/RESULTS.md)
-TIE = 0.01
-MAX_PIPELINE_RANKS = 128
-
-
-def _microbatch_choices(batch: int, ranks: int, given: int | None, stages: int) -> list[int]:
+def _microbatch_choices(batch: int, ranks: int, given: int | None, stages: int,
+                        max_actions: int = PlannerOptions().max_simulated_actions) -> list[int]:
     """A few micro-batch counts around the pipeline depth (the bubble shrinks as m grows,
     the per-call overhead grows), small enough to simulate quickly."""
     if given is not None:
@@ -74,7 +57,7 @@ def _microbatch_choices(batch: int, ranks: int, given: int | None, stages: int) 
     # beyond 4 micro-batches per rank the bubble gain is small and every extra micro-batch
     # pays the runtime's per-action cost, which the op profile does not see
     wanted = {ranks, 2 * ranks, 4 * ranks}
-    cap = max(ranks, MAX_SIMULATED_ACTIONS // (3 * stages))
+    cap = max(ranks, max_actions // (3 * stages))
     return sorted(m for m in wanted if 1 <= m <= min(batch, cap))
 
 
@@ -87,16 +70,17 @@ def _allreduce_s(stage_bytes: float, replicas: int, ranks: int, device: DeviceSp
     return 2 * (replicas - 1) / replicas * stage_bytes / bandwidth + 2 * (replicas - 1) * device.link_latency_s
 
 
-def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, device: DeviceSpec,
-              budget: float) -> Candidate | None:
+def _evaluate(plan: Plan, layout: Layout, device: DeviceSpec, budget: float) -> Candidate | None:
     """Price ``plan``'s stages (one replica's batch, priced for the plan's own micro-batch
-    count) under ``schedule_name``, by simulation; memory per rank from the schedule's own
-    in-flight counts."""
+    count) in ``layout`` (its schedule, ranks and replicas), by simulation; memory per rank
+    from the schedule's own in-flight counts."""
     m = plan.num_microbatches
+    ranks, replicas = layout.pipeline_ranks, layout.data_parallel_size
     try:
         forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
-        schedule = make_schedule(schedule_name, plan.num_stages, m, ranks, check=False,
-                                 durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))
+        schedule = make_schedule(layout.schedule, plan.num_stages, m, ranks, check=False,
+                                 durations=durations_of(forward, backward),
+                                 stage_scale=stage_scale_of(forward, backward))
     except ScheduleError:
         return None
     flights = max_in_flight(schedule, plan.num_stages)
@@ -126,12 +110,11 @@ def _evaluate(plan: Plan, schedule_name: str, ranks: int, replicas: int, device:
     allreduce = [_allreduce_s(g, replicas, ranks, device) for g in grads]
     timeline = simulate(schedule, costs, allreduce_s=allreduce)
     peak = int(max(memory))
-    return Candidate(ranks, replicas, plan.num_stages, m, schedule_name, timeline.step_time_s, peak, peak <= budget,
-                     plan.recompute, timeline.bubble_fraction)
+    return Candidate(layout, m, timeline.step_time_s, peak, peak <= budget, plan.recompute, timeline.bubble_fraction)
 
 
 def tune(
-    partition_for: Callable[[int, int, str, int, bool, bool], Plan],
+    partition_for: Callable[[Layout, int, bool, bool], Plan],
     *,
     world_size: int,
     batch: int,
@@ -140,82 +123,82 @@ def tune(
     memory_budget: float,
     num_stages: int | None = None,
     num_microbatches: int | None = None,
-    schedules: Sequence[str] = SCHEDULE_CHOICES,
+    schedules: Sequence[str] = TUNED_SCHEDULES,
     data_parallel_size: int | None = None,
-    global_batch: bool = True,
     recompute: Sequence[bool] = (False, True),
+    options: PlannerOptions = PlannerOptions(),
 ) -> tuple[Plan, list[Candidate]]:
-    """Search the configurations of ``world_size`` devices for the fastest that fits.
+    """Search the layouts of ``world_size`` devices for the fastest that fits a global ``batch``.
 
-    ``partition_for(num_stages, num_microbatches, schedule, replicas, within_budget,
-    recompute)`` makes a plan for one replica's share of the global ``batch``; both
-    settings of activation ``recompute`` given are tried. Returns the best plan (with
-    ``predicted_step_time_s``, ``data_parallel_size`` and the alternatives filled in) and
-    every candidate, best first. Raises ``PartitionError`` naming the world that would fit.
-    With ``global_batch=False`` the batch is each replica's own (as under torchrun).
+    ``partition_for(layout, num_microbatches, within_budget, recompute)`` makes a plan for
+    one replica's share of the batch; both settings of activation ``recompute`` given are
+    tried. Returns the best plan (with ``predicted_step_time_s``, its layout and the
+    alternatives filled in) and every candidate, best first. Raises ``PartitionError``
+    naming the world that would fit.
     """
     candidates: list[Candidate] = []
     plans: dict[tuple[int, int, bool, int], Plan | None] = {}
     for ranks in _divisors(world_size):
-        if ranks > MAX_PIPELINE_RANKS and num_stages is None:
+        if ranks > options.max_pipeline_ranks and num_stages is None:
             continue  # deeper pipelines than this never pay for their bubble and hand-offs
         replicas = world_size // ranks
         if data_parallel_size is not None and replicas != data_parallel_size:
             continue
-        if global_batch and batch % replicas:
+        if batch % replicas:
             continue
-        per_replica = batch // replicas if global_batch else batch
         for name in schedules:
-            stages = ranks * stages_per_rank(name)
+            kind = schedule_kind(name)
+            stages = ranks * kind.stages_per_rank
             if (ranks == 1 and stages > 1) or stages > num_ops or (num_stages is not None and stages != num_stages):
                 continue
+            layout = Layout(schedule=name, num_stages=stages, pipeline_ranks=ranks, data_parallel_size=replicas)
             for again in recompute:
-                for m in _microbatch_choices(per_replica, ranks, num_microbatches, stages):
-                    if name == "interleaved" and m % ranks:
+                for m in _microbatch_choices(batch // replicas, ranks, num_microbatches, stages,
+                                             options.max_simulated_actions):
+                    if kind.microbatch_multiple and m % ranks:
                         continue
                     # priced at this micro-batch size: an op whose tensors fit the cache at m runs faster
                     key = (stages, replicas, again, m)
                     if key not in plans:
                         try:  # memory is checked per schedule below, so this cut ignores the budget
-                            plans[key] = partition_for(stages, m, "1f1b", replicas, False, again)
+                            cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
+                                         data_parallel_size=replicas)
+                            plans[key] = partition_for(cut, m, False, again)
                         except PartitionError:
                             plans[key] = None
                     plan = plans[key]
                     if plan is None:
                         continue
-                    found = _evaluate(plan, name, ranks, replicas, device, memory_budget)
+                    found = _evaluate(plan, layout, device, memory_budget)
                     if found is not None:
                         candidates.append(found)
-    # with each replica feeding its own batch, more replicas train more per step: rank by
-    # time per batch; with a global batch, by step time
-    def per_batch(c: Candidate) -> float:
-        return c.step_time_s if global_batch else c.step_time_s / c.data_parallel_size
 
-    fitting = sorted((c for c in candidates if c.fits), key=per_batch)
+    def step_time(c: Candidate) -> float:
+        return c.step_time_s
+
+    fitting = sorted((c for c in candidates if c.fits), key=step_time)
     if not candidates:
         raise PartitionError(
             f"no way to lay out {world_size} devices as pipeline ranks x data-parallel replicas: a pipeline of P "
-            f"ranks needs at least P of the model's {num_ops} ops, and R replicas need "
-            + (f"a global batch divisible by R (it is a batch of {batch})" if global_batch else "R to divide it")
-            + (f", with num_stages={num_stages}" if num_stages else "")
+            f"ranks needs at least P of the model's {num_ops} ops, and R replicas need a global batch divisible "
+            f"by R (it is a batch of {batch})" + (f", with num_stages={num_stages}" if num_stages else "")
+            + (f", with data_parallel_size={data_parallel_size}" if data_parallel_size else "")
             + f". Use a world_size that factors as (<= {num_ops} stages) x (a divisor of {batch})."
         )
     if not fitting:
         raise _no_fit(candidates, world_size, memory_budget)
     # predictions closer than the model can tell apart are a tie: take the one holding least
-    near = [c for c in fitting if per_batch(c) <= per_batch(fitting[0]) * (1 + TIE)]
-    best = min(near, key=lambda c: (c.peak_memory_bytes, per_batch(c)))
+    near = [c for c in fitting if c.step_time_s <= fitting[0].step_time_s * (1 + options.tie)]
+    best = min(near, key=lambda c: (c.peak_memory_bytes, c.step_time_s))
     fitting.remove(best)
     fitting.insert(0, best)
-    final = partition_for(best.num_stages, best.num_microbatches, best.schedule, best.data_parallel_size, True,
-                          best.recompute)
-    again = _evaluate(final, best.schedule, best.num_pipeline_ranks, best.data_parallel_size, device, memory_budget)
+    final = partition_for(best.layout, best.num_microbatches, True, best.recompute)
+    again = _evaluate(final, best.layout, device, memory_budget)
     step = again.step_time_s if again is not None else best.step_time_s
     alternatives = tuple((c.describe(), c.step_time_s) for c in fitting[1:6])
-    plan = dataclasses.replace(final, data_parallel_size=best.data_parallel_size, predicted_step_time_s=step,
-                               alternatives=alternatives,
+    plan = dataclasses.replace(final, layout=best.layout, predicted_step_time_s=step, alternatives=alternatives,
                                simulated_bubble=again.bubble if again is not None else final.simulated_bubble)
-    return plan, fitting + sorted((c for c in candidates if not c.fits), key=per_batch)
+    return plan, fitting + sorted((c for c in candidates if not c.fits), key=step_time)
 
 
 def _no_fit(candidates: list[Candidate], world_size: int, budget: float) -> PartitionError:

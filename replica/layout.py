@@ -1,0 +1,199 @@
+"""The layout of a run: its schedules by name, and how its processes split into pipeline
+ranks, data-parallel replicas and tensor-parallel shards.
+
+Every check of a schedule name, every stages-per-rank and every rank formula reads this
+module: the planner, the tuner, the runtimes, the Trainer and the examples. Nothing here
+imports torch.
+
+A rank's coordinates: ``rank = (data_parallel_rank × pipeline ranks + pipeline_rank) ×
+tensor_parallel_size + tensor_parallel_rank``: the shards of one stage are neighbours
+(one node), the stages of one replica follow each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replica.errors import ConfigError
+
+__all__ = ["ScheduleKind", "SCHEDULE_KINDS", "schedule_kind", "schedule_names", "TUNED_SCHEDULES", "Layout",
+           "Coordinates"]
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """What a schedule asks of the layout. ``placement``: ``"one"`` (stage r on rank r),
+    ``"looped"`` (rank r holds stages r, r + P, r + 2P, ...; several per rank) or ``"v"``
+    (rank r holds stages r and 2P - 1 - r); ``stages_per_rank`` is the default number of
+    stages on each pipeline rank; ``splits_backward`` says whether weight gradients run as
+    actions of their own (W) apart from input gradients (B); ``microbatch_multiple`` asks
+    for a micro-batch count that is a multiple of the pipeline ranks."""
+
+    name: str
+    placement: str
+    stages_per_rank: int
+    splits_backward: bool
+    microbatch_multiple: bool = False
+
+    def pipeline_ranks(self, num_stages: int) -> int:
+        """The pipeline ranks that ``num_stages`` stages of this schedule take by default."""
+        return max(1, num_stages // self.stages_per_rank)
+
+    def check_stages(self, num_stages: int, pipeline_ranks: int) -> None:
+        """Raise a ``ConfigError`` unless ``num_stages`` stages fit ``pipeline_ranks`` ranks."""
+        p = pipeline_ranks
+        if self.placement == "one" and num_stages != p:
+            raise ConfigError(
+                f"schedule {self.name!r} puts one stage on each pipeline rank: {num_stages} stages need "
+                f"{num_stages} pipeline ranks, got {p}; use num_stages={p}"
+            )
+        if self.placement == "looped" and (num_stages % p or num_stages == p):
+            raise ConfigError(
+                f"schedule {self.name!r} with {p} pipeline ranks needs num_stages a multiple of {p} larger "
+                f"than {p} (several stages per rank), got {num_stages}; use num_stages={self.stages_per_rank * p}"
+            )
+        if self.placement == "v" and num_stages != 2 * p:
+            raise ConfigError(
+                f"schedule {self.name!r} puts two stages on each of the {p} pipeline ranks in a V: "
+                f"num_stages must be {2 * p}, got {num_stages}"
+            )
+
+
+# The tuner tries these, in this order of preference on a tie.
+SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
+    ScheduleKind("1f1b", "one", 1, False),
+    ScheduleKind("zb-h1", "one", 1, True),
+    ScheduleKind("zb-v", "v", 2, True),
+    ScheduleKind("zb-interleaved", "looped", 2, True),
+    ScheduleKind("interleaved", "looped", 2, False, microbatch_multiple=True),
+    ScheduleKind("gpipe", "one", 1, False),
+)}
+TUNED_SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_KINDS)
+
+
+def schedule_names(auto: bool = False) -> list[str]:
+    """The schedule names a user may give, sorted (with ``"auto"``: the tuner's choice)."""
+    return sorted([*SCHEDULE_KINDS, *(["auto"] if auto else [])])
+
+
+def schedule_kind(name: object) -> ScheduleKind:
+    """The registered schedule called ``name`` (any case); a ``ConfigError`` names the choices."""
+    if not isinstance(name, str):
+        raise ConfigError(f"schedule must be a string, got {type(name).__name__}")
+    kind = SCHEDULE_KINDS.get(name.lower())
+    if kind is None:
+        raise ConfigError(f"unknown schedule {name!r}; choose one of {schedule_names(auto=True)}")
+    return kind
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where one process sits in a layout."""
+
+    pipeline_rank: int
+    data_parallel_rank: int
+    tensor_parallel_rank: int = 0
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How a run's processes split: ``world_size = data_parallel_size × pipeline_ranks ×
+    tensor_parallel_size``; ``num_stages`` stages over the pipeline ranks as ``schedule``
+    places them. Validated once, here; in one process the pipeline ranks are simulated
+    by the one process (``world_size`` is then the layout's, not the process group's)."""
+
+    schedule: str
+    num_stages: int
+    pipeline_ranks: int
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        kind = schedule_kind(self.schedule)
+        object.__setattr__(self, "schedule", kind.name)
+        for name in ("num_stages", "pipeline_ranks", "data_parallel_size", "tensor_parallel_size"):
+            _positive(name, getattr(self, name))
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not built yet; "
+                "use tensor_parallel_size=1 (or None)"
+            )
+        kind.check_stages(self.num_stages, self.pipeline_ranks)
+
+    @property
+    def kind(self) -> ScheduleKind:
+        return SCHEDULE_KINDS[self.schedule]
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.pipeline_ranks * self.tensor_parallel_size
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.pipeline_ranks
+
+    def describe(self) -> str:
+        return (f"{self.pipeline_ranks} pipeline x {self.data_parallel_size} data"
+                + (f" x {self.tensor_parallel_size} tensor" if self.tensor_parallel_size > 1 else "")
+                + f", {self.num_stages} stages, {self.schedule}")
+
+    # --- ranks -------------------------------------------------------------------------
+    def coordinates(self, rank: int) -> Coordinates:
+        """Where global ``rank`` sits."""
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is outside this layout's world of {self.world_size} ({self.describe()})")
+        t = self.tensor_parallel_size
+        stage_group, tp = divmod(rank, t)
+        dp, pp = divmod(stage_group, self.pipeline_ranks)
+        return Coordinates(pp, dp, tp)
+
+    def global_rank(self, pipeline_rank: int, data_parallel_rank: int, tensor_parallel_rank: int = 0) -> int:
+        return ((data_parallel_rank * self.pipeline_ranks + pipeline_rank) * self.tensor_parallel_size
+                + tensor_parallel_rank)
+
+    # --- making one --------------------------------------------------------------------
+    @classmethod
+    def for_stages(cls, schedule: str, num_stages: int | None = None, *, data_parallel_size: int = 1) -> "Layout":
+        """``num_stages`` stages (default: the schedule's stages on one rank each, or two)
+        on the pipeline ranks the schedule gives them."""
+        kind = schedule_kind(schedule)
+        stages = num_stages if num_stages is not None else kind.stages_per_rank
+        return cls(schedule=kind.name, num_stages=stages, pipeline_ranks=kind.pipeline_ranks(stages),
+                   data_parallel_size=data_parallel_size)
+
+    @classmethod
+    def for_world(cls, schedule: str, world_size: int, *, num_stages: int | None = None,
+                  data_parallel_size: int | None = None) -> "Layout":
+        """The layout of ``world_size`` processes: ``num_stages`` (default: the schedule's
+        stages per rank on every rank left after ``data_parallel_size``, default 1) decides
+        the pipeline ranks, the rest of the world are replicas. Errors name what fits."""
+        _positive("world_size", world_size)
+        kind = schedule_kind(schedule)
+        if num_stages is None or kind.placement != "one":
+            d = data_parallel_size or 1
+            if world_size % d:
+                raise ConfigError(
+                    f"data_parallel_size={d} does not divide the world size {world_size}; use one of "
+                    f"{[k for k in range(1, world_size + 1) if world_size % k == 0]}"
+                )
+            p = world_size // d
+            stages = num_stages if num_stages is not None else kind.stages_per_rank * p
+            return cls(schedule=kind.name, num_stages=stages, pipeline_ranks=p, data_parallel_size=d)
+        if world_size % num_stages:
+            raise ConfigError(
+                f"num_stages={num_stages} does not divide the world size {world_size}: with one stage per rank, "
+                f"world_size = num_stages × data-parallel replicas. Use num_stages in "
+                f"{[k for k in range(1, world_size + 1) if world_size % k == 0]}"
+            )
+        d = world_size // num_stages
+        if data_parallel_size not in (None, d):
+            raise ConfigError(
+                f"num_stages={num_stages} on {world_size} ranks leaves {d} data-parallel replicas, "
+                f"not data_parallel_size={data_parallel_size}"
+            )
+        return cls(schedule=kind.name, num_stages=num_stages, pipeline_ranks=num_stages, data_parallel_size=d)

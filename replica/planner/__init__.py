@@ -1,0 +1,161 @@
+"""The planner: one entry, :func:`make_plan`, behind both ``replica.plan`` and ``replica.auto_parallel``.
+
+A request says what the user fixed (stages, micro-batches, schedule, replicas, recompute)
+and what the planner may choose; :func:`make_plan` prices the traced model once
+(:mod:`.pricing`), lays it out — one given layout, or the tuner's search (:mod:`.tuner`) —
+and refines the chosen plan (:mod:`.refine`: graded micro-batches, rebuilds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from replica.errors import ConfigError
+from replica.layout import Layout, schedule_kind
+from replica.partition.partitioner import MemoryModel
+from replica.partition.plan import Plan
+from replica.partition.trace import Traced
+from replica.planner.options import PlannerOptions
+from replica.planner.pricing import Pricing, default_microbatches
+from replica.planner.refine import finish
+from replica.planner.tuner import tune
+
+__all__ = ["PlanRequest", "PlannerOptions", "make_plan", "check_count"]
+
+BATCH_MEANINGS = ("global", "per_rank")
+
+
+def check_count(name: str, value: object) -> None:
+    """A positive int or None, else a ``ConfigError`` naming ``name``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{name} must be a positive int or None, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """What the user asked of a plan; None leaves a choice to the planner.
+
+    ``world_size`` None plans for one process that runs every pipeline rank itself (no
+    replicas); ``schedule`` "auto" lets the tuner pick it (None: "1f1b"); ``recompute``
+    True / False / None (the tuner's choice) / "pointwise"; ``batch`` says what the
+    example inputs are: "global" (the batch the plain model would take; each replica
+    trains its slice) or "per_rank" (each replica's own batch, as from a loader that
+    already shards per rank: then the number of replicas must be fixed by the request).
+    """
+
+    world_size: int | None = None
+    num_stages: int | None = None
+    num_microbatches: int | None = None
+    schedule: str | None = None
+    data_parallel_size: int | None = None
+    tensor_parallel_size: int | None = None
+    device: Any = None
+    cost: str = "auto"
+    memory_budget: float | Sequence[float] | None = None
+    recompute: bool | str | None = None
+    graded_microbatches: bool = True
+    optimizer: str = "adam"
+    mixed_precision: bool = False
+    batch: str = "global"
+    options: PlannerOptions = dataclasses.field(default_factory=PlannerOptions)
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "num_stages", "num_microbatches", "data_parallel_size", "tensor_parallel_size"):
+            check_count(name, getattr(self, name))
+        if self.tensor_parallel_size not in (None, 1):
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not built yet; "
+                "leave it None (or 1)"
+            )
+        name = "1f1b" if self.schedule is None else self.schedule
+        if not (isinstance(name, str) and name.lower() == "auto"):
+            name = schedule_kind(name).name
+        object.__setattr__(self, "schedule", name.lower())
+        if not (self.recompute is None or isinstance(self.recompute, bool) or self.recompute == "pointwise"):
+            raise ConfigError(
+                f"recompute must be True (keep only stage inputs, run the forward again in backward), "
+                f"'pointwise' (rebuild GELU / SiLU outputs in backward), False or None (let the tuner decide), "
+                f"got {self.recompute!r}"
+            )
+        if self.batch not in BATCH_MEANINGS:
+            raise ConfigError(
+                f"batch={self.batch!r}; use 'global' (example inputs and train_step take the whole batch, every "
+                "replica trains its slice) or 'per_rank' (each replica is fed its own batch)"
+            )
+        if not isinstance(self.options, PlannerOptions):
+            raise ConfigError(f"options must be a replica.PlannerOptions, got {type(self.options).__name__}")
+        if self.world_size is None and self.data_parallel_size not in (None, 1):
+            raise ConfigError(
+                f"data_parallel_size={self.data_parallel_size} needs a world of processes: give world_size= to "
+                "replica.plan, or run auto_parallel under torchrun"
+            )
+        if self.world_size is not None and self.num_stages is not None and self.schedule != "auto":
+            Layout.for_world(self.schedule, self.world_size, num_stages=self.num_stages,
+                             data_parallel_size=self.data_parallel_size)  # the stages must fit the world
+
+    @property
+    def tuning(self) -> bool:
+        """Whether the tuner searches: the schedule is "auto", or in a world the stage or
+        micro-batch count is left open."""
+        if self.schedule == "auto":
+            return True
+        return self.world_size is not None and (self.num_stages is None or self.num_microbatches is None)
+
+    def replicas_fixed(self) -> int | None:
+        """The data-parallel replicas the request fixes, or None where the tuner picks them."""
+        if self.world_size is None:
+            return 1
+        if self.data_parallel_size is not None:
+            return self.data_parallel_size
+        if self.schedule != "auto" and self.num_stages is not None:
+            return Layout.for_world(self.schedule, self.world_size, num_stages=self.num_stages).data_parallel_size
+        return None
+
+
+def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> Plan:
+    """The plan of ``traced`` (from ``model``) that ``request`` asks for."""
+    r = request
+    scale = 1
+    if r.batch == "per_rank":
+        fixed = r.replicas_fixed()
+        if fixed is None:
+            raise ConfigError(
+                f"batch='per_rank' means each replica is fed its own batch, so the number of replicas must be "
+                f"fixed before planning: give data_parallel_size= (a divisor of {r.world_size}), or num_stages= "
+                "with a named schedule; or pass the whole batch with batch='global' and let the planner choose"
+            )
+        scale = fixed
+    pricing = Pricing(traced, model, device=r.device, cost=r.cost, memory_budget=r.memory_budget,
+                      memory_model=MemoryModel(optimizer=r.optimizer, mixed_precision=r.mixed_precision),
+                      num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
+                      graded=r.graded_microbatches, options=r.options, batch_scale=scale)
+    full = r.recompute if isinstance(r.recompute, bool) or r.recompute is None else False
+    rebuild = r.recompute is not False  # False keeps every activation: no rebuilds either
+    if r.tuning:
+        world = r.world_size if r.world_size is not None else (r.num_stages or 1)
+        schedules = None if r.schedule == "auto" else (r.schedule,)
+        best, _ = tune(lambda layout, m, within, again: pricing.partition_for(layout, m, within_budget=within,
+                                                                                recompute=again),
+                       world_size=world, batch=pricing.global_batch, num_ops=len(traced.graph.op_nodes),
+                       device=pricing.spec, memory_budget=pricing.budget_per_device(), num_stages=r.num_stages,
+                       num_microbatches=r.num_microbatches, data_parallel_size=r.replicas_fixed(),
+                       recompute=(False, True) if full is None else (full,), options=r.options,
+                       **({} if schedules is None else {"schedules": schedules}))
+        plan = best
+    else:
+        if r.world_size is None:
+            layout = Layout.for_stages(r.schedule, r.num_stages)
+        else:
+            layout = Layout.for_world(r.schedule, r.world_size, num_stages=r.num_stages,
+                                      data_parallel_size=r.data_parallel_size)
+        m = r.num_microbatches or default_microbatches(pricing.global_batch // layout.data_parallel_size,
+                                                       layout.num_stages)
+        plan = pricing.partition_for(layout, m, recompute=bool(full))
+    plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
+    if r.recompute == "pointwise" and not plan.recompute:
+        plan = dataclasses.replace(plan, pointwise_recompute=True)
+    return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims)

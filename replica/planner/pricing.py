@@ -1,0 +1,172 @@
+"""Prices a traced model once (its device, its dtype, measured op times) and cuts it for any layout."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from replica.errors import ConfigError
+from replica.layout import Layout
+from replica.partition.cost import CostModel, DeviceSpec, device_spec, preset_for_cuda_device
+from replica.partition.partitioner import MemoryModel, partition
+from replica.partition.plan import Plan
+from replica.partition.profile import profile
+from replica.partition.trace import Traced
+from replica.pipeline import microbatch
+from replica.pipeline.schedule import make_schedule, max_in_flight, placement, plan_schedule, splits_backward
+from replica.pipeline.simulate import simulate, stage_costs_from_plan
+from replica.planner.options import PlannerOptions
+
+__all__ = ["Pricing", "default_microbatches"]
+
+
+def default_device(model: torch.nn.Module) -> str:
+    """The preset of the device the model's weights are on (a CPU, or a known GPU)."""
+    for p in model.parameters():
+        if p.device.type == "cuda":
+            return preset_for_cuda_device(torch.cuda.get_device_name(p.device))
+        break
+    return "cpu"
+
+
+def model_dtype(model: torch.nn.Module) -> str:
+    """The dtype most of the model's parameter elements have."""
+    counts: collections.Counter[str] = collections.Counter()
+    for p in model.parameters():
+        counts[str(p.dtype).removeprefix("torch.")] += p.numel()
+    return counts.most_common(1)[0][0] if counts else "float32"
+
+
+def default_microbatches(batch: int, num_stages: int) -> int:
+    """The largest divisor of the batch up to 4 × num_stages (bubble under 20%); 1 without a pipeline."""
+    if num_stages == 1:
+        return 1
+    return max(d for d in range(1, min(batch, 4 * num_stages) + 1) if batch % d == 0)
+
+
+def is_real(model: torch.nn.Module, inputs: tuple[Any, ...]) -> bool:
+    """Whether the model and inputs hold real data (not meta or fake tensors): what profiling needs."""
+    tensors = [*tree_leaves(inputs), *model.parameters()]
+    return all(t.device.type != "meta" and type(t).__name__ != "FakeTensor" for t in tensors)
+
+
+class Pricing:
+    """Prices one traced model once (device specs, measured op times) and partitions it on
+    demand for any layout and micro-batch count. ``batch`` is the traced batch; the global
+    batch is ``batch_scale`` times that (each replica's batch was traced: ``batch="per_rank"``)."""
+
+    def __init__(self, traced: Traced, model: torch.nn.Module, *, device: Any, cost: str,
+                 memory_budget: float | Sequence[float] | None, memory_model: MemoryModel,
+                 num_microbatches: int | None, num_stages_hint: int, graded: bool = True,
+                 options: PlannerOptions = PlannerOptions(), batch_scale: int = 1) -> None:
+        if cost not in ("auto", "analytic", "profile"):
+            raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {cost!r}")
+        inputs = traced.example
+        real = is_real(model, inputs)
+        if cost == "profile" and not real:
+            raise ConfigError(
+                "cost='profile' times every op on real tensors, but the model or example_inputs are on the meta "
+                "device (or fake). Use cost='analytic' to plan without weights, or pass real tensors."
+            )
+        self.traced, self.memory_model = traced, memory_model
+        self.graded, self.options = graded, options
+        self.batch = microbatch.batch_size(inputs, "example_inputs")
+        self.batch_scale = batch_scale
+        self.global_batch = self.batch * batch_scale
+        self.devices = list(device) if isinstance(device, (list, tuple)) else None
+        self.spec: DeviceSpec = device_spec(device if device is not None and self.devices is None else
+                                            (self.devices[0] if self.devices else default_device(model)))
+        self.dtype = model_dtype(model)
+        self.measured: dict[Any, Any] = {}
+        self.measured_fraction = 1.0
+        if cost == "profile" or (cost == "auto" and real and device is None and num_stages_hint > 1):
+            # Time each op on one micro-batch where the model lives: what the stages will run.
+            m = min(self.batch, num_microbatches or default_microbatches(self.batch, num_stages_hint))
+            sample = microbatch.split(inputs, m, "example_inputs")[0]
+            self.measured = profile(traced.module, sample)
+            self.measured_fraction = microbatch.batch_size(sample) / self.batch
+        self.memory_budget = memory_budget
+        if memory_budget is None and not self.measured:
+            self.memory_budget = self.spec.memory_bytes  # planning for accelerators: they must fit
+
+    def budget_per_device(self) -> float:
+        b = self.memory_budget
+        return float("inf") if b is None else float(min(b) if isinstance(b, (list, tuple)) else b)
+
+    def specs(self, num_stages: int) -> list[DeviceSpec]:
+        """One device spec per stage."""
+        if self.devices is None:
+            return [self.spec] * num_stages
+        if len(self.devices) != num_stages:
+            raise ConfigError(f"{len(self.devices)} devices for num_stages={num_stages}: give one device per stage")
+        return [device_spec(d) for d in self.devices]
+
+    def first_spec(self) -> DeviceSpec:
+        """The spec the simulator prices transfers with: the first stage's device."""
+        return device_spec(self.devices[0]) if self.devices else self.spec
+
+    def batch_fraction(self, layout: Layout) -> float:
+        """A replica's batch over the traced one: what the cost models scale the graph by."""
+        return self.batch_scale / layout.data_parallel_size
+
+    def cost_model(self, spec: DeviceSpec, batch_fraction: float) -> CostModel:
+        return CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
+                         measured_fraction=self.measured_fraction)
+
+    def _early_fits(self, plan: Plan, where: dict[int, int]) -> bool:
+        """Whether every rank still fits its budget holding, besides the plan's estimate, one
+        micro-batch's activations more: what a backward keeps for its weight gradients while
+        its input gradient goes to another rank first (any stage but the first may send one)."""
+        held: dict[int, float] = {}
+        extra: dict[int, float] = {}
+        for st in plan.stages:
+            r = where[st.stage_index]
+            held[r] = held.get(r, 0.0) + st.predicted_memory_bytes
+            if st.stage_index > 0:
+                extra[r] = max(extra.get(r, 0.0), st.activation_bytes / plan.num_microbatches)
+        return all(held[r] + extra.get(r, 0.0) <= self.budget_per_device() for r in held)
+
+    def partition_for(self, layout: Layout, num_microbatches: int, *, within_budget: bool = True,
+                      recompute: bool = False) -> Plan:
+        """The plan of ``layout`` with ``num_microbatches`` micro-batches per replica, priced
+        at each replica's share of the batch (even micro-batches, nothing rebuilt: see
+        :func:`replica.planner.refine.finish`)."""
+        m = num_microbatches
+        replicas = layout.data_parallel_size
+        share = self.global_batch // replicas
+        if self.global_batch % replicas:
+            raise ConfigError(
+                f"a global batch of {self.global_batch} does not split over {replicas} data-parallel replicas; "
+                f"use a batch that is a multiple of {replicas}, or another data_parallel_size"
+            )
+        if m > share:
+            raise ConfigError(
+                f"num_microbatches={m} but each of the {replicas} replicas has a batch of {share}: each "
+                f"micro-batch needs at least one sample. Use num_microbatches <= {share}, or a larger batch."
+            )
+        batch_fraction = self.batch_fraction(layout)
+        specs = self.specs(layout.num_stages)
+        by_spec: dict[int, CostModel] = {}
+        models = [by_spec.setdefault(id(sp), self.cost_model(sp, batch_fraction)) for sp in specs]
+        schedule_data = make_schedule(layout.schedule, layout.num_stages, m, layout.pipeline_ranks)
+        where = placement(schedule_data)
+        result = partition(self.traced.graph, models, num_stages=layout.num_stages, num_microbatches=m,
+                           schedule=layout.schedule,
+                           memory_model=dataclasses.replace(self.memory_model, recompute=recompute),
+                           memory_budget=self.memory_budget if within_budget else None,
+                           in_flight=max_in_flight(schedule_data, layout.num_stages),
+                           stage_ranks=[where[k] for k in range(layout.num_stages)])
+        result = dataclasses.replace(result, layout=layout,
+                                     early_input_grads=not recompute and self._early_fits(result, where))
+        if splits_backward(schedule_data):  # order the zero-bubble actions by this plan's own times
+            schedule_data = plan_schedule(result)
+        timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]))
+        return dataclasses.replace(
+            result, predicted_step_time_s=timeline.step_time_s, simulated_bubble=timeline.bubble_fraction,
+            model_flops=3 * self.traced.graph.total_flops * batch_fraction * replicas,
+            device_peak_flops=self.spec.datasheet_flops,  # 0 for a CPU: no utilisation figure
+        )
