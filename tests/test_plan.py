@@ -69,6 +69,33 @@ def test_a_plan_of_format_1_loads_with_its_layout(plan):
     assert replica.Plan.from_json(json.dumps(data)) == plan
 
 
+@pytest.mark.parametrize("schedule, stages", [("1f1b", 3), ("zb-v", 4), ("interleaved", 4)])
+def test_the_plan_carries_its_action_lists(gpt, schedule, stages):
+    """Worked out once by the planner: the pipeline runs them, the report and the simulator
+    read them, and a plan from JSON carries the same ones."""
+    from replica.pipeline.schedule import format_grid, plan_schedule
+
+    p = replica.plan(gpt.model, gpt.example_inputs, num_stages=stages, schedule=schedule, device=COMPUTE_BOUND)
+    assert len(p.actions) == p.pipeline_ranks
+    derived = plan_schedule(dataclasses.replace(p, actions=()))
+    assert [[str(a) for a in rank] for rank in derived] == [list(rank) for rank in p.actions]
+    again = replica.Plan.from_json(p.to_json())
+    assert again.actions == p.actions
+    pm = replica.auto_parallel(gpt.model, gpt.example_inputs, plan=again, loss_fn=gpt.loss_fn)
+    assert format_grid(pm.schedule, stages) == format_grid(derived, stages)
+
+
+def test_actions_that_are_not_a_schedule_of_the_plan_are_refused(plan):
+    from replica.pipeline.schedule import execution_order, plan_schedule
+
+    short = dataclasses.replace(plan, actions=tuple(rank[:-1] for rank in plan.actions))
+    with pytest.raises(replica.ScheduleError, match="the plan's actions are not a schedule of its 3 stages"):
+        plan_schedule(short)
+    one_rank = (tuple(str(a) for a in execution_order(plan_schedule(plan), plan.num_stages)),)  # valid, serial
+    with pytest.raises(replica.ScheduleError, match="actions are for 1 ranks but its layout has 3 pipeline ranks"):
+        plan_schedule(dataclasses.replace(plan, actions=one_rank))
+
+
 def test_a_plan_whose_layout_does_not_hold_is_refused(plan):
     data = json.loads(plan.to_json())
     data["layout"]["pipeline_ranks"] = 2  # three one-per-rank stages on two ranks

@@ -112,6 +112,10 @@ class Plan:
     # per graph input, the dims a call may change (torch.export fixes the others); () when
     # not recorded. An fx graph takes any shape its code allows: every dim of every input.
     dynamic_dims: tuple[tuple[int, ...], ...] = ()
+    # each pipeline rank's actions in order ("2F0": stage 2's forward of micro-batch 0),
+    # worked out once by the planner from the final plan: the runtimes, the simulator and
+    # the report all read these (replica.pipeline.schedule.plan_schedule); () to derive them
+    actions: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -213,6 +217,7 @@ class Plan:
             data["microbatch_shares"] = tuple(float(x) for x in data.get("microbatch_shares", ()))
             data["rebuilds"] = tuple((int(k), str(kind)) for k, kind in data.get("rebuilds", ()))
             data["dynamic_dims"] = tuple(tuple(int(d) for d in dims) for dims in data.get("dynamic_dims", ()))
+            data["actions"] = tuple(tuple(str(a) for a in actions) for actions in data.get("actions", ()))
             if version == 1:  # the layout's figures stood at the top
                 ranks = data.pop("pipeline_ranks", 0) or data["num_stages"]
                 data["layout"] = {"schedule": data.pop("schedule"), "num_stages": data.pop("num_stages"),

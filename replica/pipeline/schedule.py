@@ -192,9 +192,25 @@ def durations_of(forward_s: Sequence[float], backward_s: Sequence[float]) -> tup
 
 
 def plan_schedule(plan: "Plan", num_ranks: int | None | Literal["plan"] = "plan", *, check: bool = True) -> Schedule:
-    """The action lists of ``plan``, ordered by its own stage times: the planner and every
-    rank derive the same ones from the same plan. ``num_ranks`` defaults to the plan's own
-    pipeline ranks (``Plan.pipeline_ranks``); None leaves it to the schedule."""
+    """The action lists of ``plan``: those it carries (``Plan.actions``, worked out once by the
+    planner), checked to be a complete schedule of its stages and micro-batches; else the
+    schedule's order by the plan's own stage times. ``num_ranks`` defaults to the plan's own
+    pipeline ranks (``Plan.pipeline_ranks``); None leaves it to the schedule (and derives)."""
+    if num_ranks == "plan" and plan.actions:
+        carried = [[Action.parse(a) for a in actions] for actions in plan.actions]
+        try:
+            validate(carried, plan.num_stages, plan.num_microbatches)
+        except ScheduleError as exc:
+            raise ScheduleError(
+                f"the plan's actions are not a schedule of its {plan.num_stages} stages and "
+                f"{plan.num_microbatches} micro-batches ({exc}); re-plan, or replace actions=() to derive them"
+            ) from None
+        if len(carried) != plan.pipeline_ranks:
+            raise ScheduleError(
+                f"the plan's actions are for {len(carried)} ranks but its layout has {plan.pipeline_ranks} "
+                "pipeline ranks; re-plan, or replace actions=() to derive them"
+            )
+        return carried
     if num_ranks == "plan":
         num_ranks = plan.pipeline_ranks
     forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]

@@ -19,6 +19,7 @@ from replica.layout import Layout, schedule_kind
 from replica.partition.partitioner import MemoryModel
 from replica.partition.plan import Plan
 from replica.partition.trace import Traced
+from replica.pipeline.schedule import plan_schedule
 from replica.planner.options import PlannerOptions
 from replica.planner.pricing import Pricing, default_microbatches
 from replica.planner.refine import finish
@@ -158,4 +159,6 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
     if r.recompute == "pointwise" and not plan.recompute:
         plan = dataclasses.replace(plan, pointwise_recompute=True)
-    return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims)
+    # the action lists, once, from the final plan: every rank, the simulator and the report read them
+    actions = tuple(tuple(str(a) for a in rank) for rank in plan_schedule(plan))
+    return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims, actions=actions)
