@@ -182,7 +182,7 @@ def compare(rank: int, world: int, rounds: int, steps: int, schedules: list[str]
             hints["recompute"] = False
         pms[s] = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
         if s.endswith("-late"):
-            pms[s].runtime.early = set()  # the runtime's switch: no backward sends before its W part
+            pms[s].runtime.executor.early = set()  # the runtime's switch: no backward sends before its W part
         reducer = pms[s].runtime.reducer
         if "-after" in s and reducer is not None:
             arm = reducer.arm

@@ -44,7 +44,7 @@ def job(rank: int, world: int, variant: str, steps: int) -> tuple[list[float], l
     model, x, y = build()
     pm = replica.auto_parallel(model, (x,), loss_fn=loss_fn, num_stages=2, num_microbatches=8, schedule="1f1b")
     runtime = pm.runtime
-    planned = dict(runtime.pointwise_recompute)
+    planned = dict(runtime.executor.rebuilt)
     modules = {}
     if variant == "rewrite-0" and 0 in runtime.stages:  # a rewritten twin sharing the stage's parameters
         plain = runtime.stages[0].module
@@ -56,11 +56,11 @@ def job(rank: int, world: int, variant: str, steps: int) -> tuple[list[float], l
     def use(variant_now: bool) -> None:
         if modules:
             runtime.stages[0].module = modules[variant_now]
-        runtime.pointwise_recompute = dict(planned)
+        runtime.executor.rebuilt = dict(planned)
         if variant_now and variant == "keep":
-            runtime.pointwise_recompute = {}
+            runtime.executor.rebuilt = {}
         if variant_now and variant == "norm" and 0 in runtime.stages:
-            runtime.pointwise_recompute[0] = planned.get(0, frozenset()) | {"norm"}
+            runtime.executor.rebuilt[0] = planned.get(0, frozenset()) | {"norm"}
 
     for _ in range(2):  # warm-up
         pm.zero_grad()

@@ -15,7 +15,8 @@ from replica.partition.split import StageModule, split
 from replica.partition.trace import Traced
 from replica.pipeline import microbatch
 from replica.pipeline.batchnorm import defer_batchnorm
-from replica.pipeline.distributed import DistributedRuntime, Topology, sending_input_grads
+from replica.pipeline.distributed import DistributedRuntime, Topology
+from replica.pipeline.executor import sending_input_grads
 from replica.pipeline.local import LocalRuntime, LossFn
 from replica.pipeline.remat import rebuildable_norms
 from replica.pipeline.schedule import placement, plan_schedule, splits_backward  # plan_schedule: re-exported

@@ -160,7 +160,7 @@ def test_measure_step_is_a_train_step_with_its_timeline(schedule, num_stages, tm
     loss, timeline = pm.measure_step(inputs, target)
     torch.testing.assert_close(loss, ref_loss)
     assert_same_grads(pm, ref)
-    fused = pm.runtime.fused  # a W right after its B runs inside it
+    fused = pm.runtime.executor.fused  # a W right after its B runs inside it
     ran = [a for actions in pm.schedule for a in actions
            if a.kind != "W" or (a.stage_index, a.microbatch_index) not in fused]
     assert sorted(str(e.action) for e in timeline.events) == sorted(str(a) for a in ran)

@@ -192,9 +192,9 @@ def test_pipelined_gradients_are_bitwise_those_without_it():
                                    recompute="pointwise" if on else None)
         # 1F1B-shaped: the first stage holds two micro-batches at once, the last one
         if on:
-            assert pm.runtime.pointwise_recompute[0] == set(remat.KINDS)
+            assert pm.runtime.executor.rebuilt[0] == set(remat.KINDS)
         # both stages, every kind; or none at all (the planner's own rebuilds off too)
-        pm.runtime.pointwise_recompute = {0: frozenset(remat.KINDS), 1: frozenset(remat.KINDS)} if on else {}
+        pm.runtime.executor.rebuilt = {0: frozenset(remat.KINDS), 1: frozenset(remat.KINDS)} if on else {}
         pm.train_step(inputs, target)
         grads.append({n: p.grad for n, p in pm.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
@@ -225,7 +225,7 @@ def test_pipelined_gradients_equal_the_plain_model(schedule, num_stages):
     ref_loss.backward()
     pm = replica.auto_parallel(model, inputs, num_stages=num_stages, num_microbatches=4, schedule=schedule,
                                loss_fn=loss_fn, device=COMPUTE_BOUND, recompute="pointwise")
-    assert pm.plan.pointwise_recompute and pm.runtime.pointwise_recompute
+    assert pm.plan.pointwise_recompute and pm.runtime.executor.rebuilt
     torch.testing.assert_close(pm.train_step(inputs, target), ref_loss.detach())
     got = dict(pm.named_parameters())
     for name, p in ref.named_parameters():

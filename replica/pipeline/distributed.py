@@ -10,8 +10,8 @@ posts one step's share of this rank.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,26 +21,15 @@ from replica.layout import Layout
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
 from replica.pipeline import p2p
-from replica.pipeline.clock import NO_CLOCK, StepClock, timing
+from replica.pipeline.clock import timing
+from replica.pipeline.executor import Executor, LossFn, Step, StepResult
 from replica.pipeline.gradsync import ReplicaReducer
-from replica.pipeline.p2p import BWD, FWD
-from replica.pipeline.local import RandomStreams, StepResult, holding_several, rebuild_map, run_stage, weighted_loss
 from replica.pipeline.mailbox import Mailbox, greet_peers
-from replica.pipeline.schedule import (BACKWARD, FORWARD, WEIGHT, Action, Schedule, fused_weight_grads,
-                                       placement, splits_backward)
-from replica.pipeline.shapes import ShapeOracle, TensorMeta
+from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from replica.pipeline.shapes import ShapeOracle
 from replica.pipeline.simulate import Event, Timeline, simulate, stage_costs_from_plan
-from replica.pipeline.weightgrad import WeightGrads, collecting
 
-__all__ = ["Topology", "DistributedRuntime", "sending_input_grads"]
-
-
-def sending_input_grads(stages: Iterable[StageModule], place: dict[int, int]) -> set[int]:
-    """The stages that send an input gradient to another rank (``place``: stage -> rank):
-    the only ones whose backward gains by sending it before the weight gradients."""
-    return {st.stage_index for st in stages if any(place[src] != place[st.stage_index] for src in st.input_sources)}
-
-LossFn = Callable[[Any, Any], torch.Tensor]
+__all__ = ["Topology", "DistributedRuntime"]
 
 
 @dataclass(frozen=True)
@@ -75,17 +64,6 @@ class Topology:
         return self.layout.global_rank(pipeline_rank, dp)
 
 
-@dataclass
-class _Step:
-    """Everything in flight during one step."""
-
-    metas: list[dict[str, Any]]
-    mail: Mailbox
-    local_values: dict[tuple[str, int], Any] = field(default_factory=dict)
-    local_grads: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
-    saved: dict[tuple[int, int], tuple[tuple[Any, ...], Any]] = field(default_factory=dict)
-
-
 class DistributedRuntime:
     """Executes this rank's share of a schedule and keeps shared weights in step.
 
@@ -106,40 +84,20 @@ class DistributedRuntime:
         recompute: bool = False,
     ) -> None:
         self.topology = topology
-        self.recompute = recompute
         self.plan = plan
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
         self.oracle = oracle
-        self.place = placement(schedule)
         me = topology.pipeline_rank
-        self.actions: list[Action] = list(schedule[me])
-        self.stages = {s.stage_index: s for s in stages if self.place[s.stage_index] == me}
-        self.random = RandomStreams(stages, replica=topology.data_parallel_rank)
+        self.executor = Executor(stages, schedule, {me}, recompute=recompute, pointwise=plan.pointwise_recompute,
+                                 rebuilds=plan.rebuilds, early_input_grads=plan.early_input_grads,
+                                 replica=topology.data_parallel_rank)
+        self.place = self.executor.place
+        self.actions = self.executor.actions
+        self.stages = self.executor.stages
+        self.last_backward = self.executor.last_backward
         self.parameters = self._local_parameters()
-        self.split_backward = splits_backward(schedule)
-        # A W right after its own B runs inside that backward, unless the B sends an input
-        # gradient to another rank: fused, that gradient would wait for the weight gradients.
-        sends_back = sending_input_grads(self.stages.values(), self.place)
-        self.fused = {key for key in fused_weight_grads(self.actions) if key[0] not in sends_back}
-        # Without W actions (GPipe, 1F1B, interleaved) a backward that sends an input gradient
-        # to another rank still runs in two parts, inside its own action: input gradients,
-        # sent at once, then the weight gradients while the upstream rank already works.
-        self.early = sends_back if plan.early_input_grads and not self.split_backward else set()
-        # stage -> the kinds of ops whose outputs it rebuilds in backward (pipeline/remat.py):
-        # with plan.pointwise_recompute every kind on the stages that hold several micro-batches
-        # at once and those that hold a backward's layer inputs and output gradients until the
-        # input gradients have left (early); else the plan's rebuilds (replica.planner.refine.finish)
-        every = (holding_several(schedule, len(stages)) | self.early) if plan.pointwise_recompute else set()
-        self.pointwise_recompute = {k: kinds for k, kinds in rebuild_map(every, plan.rebuilds).items()
-                                    if k in self.stages}
-        # the action after which a stage's gradients are final (its last B, or W when split)
-        self.last_backward = {
-            s: max(k for k, a in enumerate(self.actions) if a.stage_index == s and a.kind != FORWARD)
-            for s in self.stages
-        }
         self._make_groups()
-        self.clock: StepClock = NO_CLOCK  # measure_step's, while it runs
         self.messages = {train: self._message_order(schedule, train) for train in (True, False)}
         greet_peers(self.messages[True] + self.messages[False], me=topology.pipeline_rank, rank=topology.rank,
                     global_rank=topology.global_rank, device=device, wait=self._wait)
@@ -242,89 +200,11 @@ class DistributedRuntime:
                 f"{what} from {source}"
             )
 
-    def _step(self, microbatches: Sequence[tuple[Any, ...]], train: bool) -> _Step:
+    def _step(self, microbatches: Sequence[tuple[Any, ...]], train: bool) -> Step:
         metas = [self.oracle(mb) for mb in microbatches]
         mail = Mailbox(self.messages[train], metas, me=self.topology.pipeline_rank,
                        global_rank=self.topology.global_rank, device=self.device, wait=self._wait)
-        return _Step(metas=metas, mail=mail)
-
-    def _received(self, step: _Step, key: tuple[str, int, int, int], action: Action) -> torch.Tensor:
-        what = f"{'activation' if key[3] == FWD else 'gradient'} {key[0]!r} of micro-batch {key[2]} (for {action})"
-        value = step.mail.receive(key, what)
-        self.clock.ready()
-        return value
-
-    # --- actions -----------------------------------------------------------------------
-    def _forward(self, step: _Step, action: Action, inputs: tuple[Any, ...], train: bool) -> Any:
-        stage = self.stages[action.stage_index]
-        i = action.microbatch_index
-        meta = step.metas[i]
-        if stage.is_first:
-            args = inputs
-        else:
-            values = []
-            for name, src in zip(stage.input_names, stage.input_sources):
-                m = meta[name]
-                if not isinstance(m, TensorMeta):
-                    values.append(m)  # a Python value: worked out locally, never sent
-                    continue
-                if self.place[src] == self.place[stage.stage_index]:
-                    value = step.local_values[(name, i)]
-                else:
-                    value = self._received(step, (name, stage.stage_index, i, FWD), action)
-                values.append(value.detach().requires_grad_(train and m.requires_grad))
-            args = tuple(values)
-        out = run_stage(stage, args, self.recompute and train, self.random.seed(stage.stage_index, i),
-                        pointwise=self.pointwise_recompute.get(stage.stage_index, False))
-        if not stage.is_last:
-            for name, readers, value in zip(stage.output_names, stage.output_destinations, out):
-                if not isinstance(value, torch.Tensor):
-                    continue
-                for d in readers:
-                    if self.place[d] == self.place[stage.stage_index]:
-                        step.local_values[(name, i)] = value
-                    else:
-                        step.mail.send((name, d, i, FWD), value)
-        if train:
-            step.saved[(stage.stage_index, i)] = (args, out)
-        return out
-
-    def _backward(self, step: _Step, action: Action, loss: torch.Tensor | None) -> None:
-        stage = self.stages[action.stage_index]
-        k, i = stage.stage_index, action.microbatch_index
-        args, out = step.saved.pop((k, i))
-        meta = step.metas[i]
-        if stage.is_last:
-            tensors, grads = [loss], [None]
-        else:
-            tensors, grads = [], []
-            for name, readers, value in zip(stage.output_names, stage.output_destinations, out):
-                m = meta[name]
-                if not (isinstance(m, TensorMeta) and m.requires_grad):
-                    continue
-                total = None
-                for d in readers:
-                    if self.place[d] == self.place[k]:
-                        g = step.local_grads.pop((name, i, d))
-                    else:
-                        g = self._received(step, (name, d, i, BWD), action)
-                    total = g if total is None else total + g
-                if value.requires_grad:
-                    tensors.append(value)
-                    grads.append(total)
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-        if stage.is_first:
-            return
-        for name, src, leaf in zip(stage.input_names, stage.input_sources, args):
-            m = meta[name]
-            if not (isinstance(m, TensorMeta) and m.requires_grad):
-                continue
-            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            if self.place[src] == self.place[k]:
-                step.local_grads[(name, i, k)] = g
-            else:
-                step.mail.send((name, k, i, BWD), g)
+        return Step(metas=metas, mail=mail)
 
     # --- steps -------------------------------------------------------------------------
     def train_step(
@@ -339,47 +219,10 @@ class DistributedRuntime:
             stash[id(p)] = p.grad
             p.grad = None
         step = self._step(microbatches, train=True)
-        self.random.new_step()
         if self.reducer is not None:
             self.reducer.new_step()
-        losses: dict[int, torch.Tensor] = {}  # detached: the graph goes with its backward
-        attached: dict[int, torch.Tensor] = {}  # a last stage's losses until their backward
-        deferred: dict[tuple[int, int], WeightGrads] = {}
-        clock = self.clock
-        for n, action in enumerate(self.actions):
-            clock.begin()
-            stage = self.stages[action.stage_index]
-            i = action.microbatch_index
-            last = n == self.last_backward[action.stage_index]
-            split = self.split_backward and (action.stage_index, i) not in self.fused
-            early = action.stage_index in self.early
-            if last and self.reducer is not None:  # hooks only see final gradients when autograd makes them all
-                self.reducer.arm(action.stage_index, listen=action.kind == BACKWARD and not (split or early))
-            if action.kind == FORWARD:
-                out = self._forward(step, action, microbatches[i], train=True)
-                if stage.is_last:
-                    attached[i] = weighted_loss(loss_fn, out, targets[i], weights[i])
-                    losses[i] = attached[i].detach()
-                del out  # the graph stays only where its backward will let go of it
-                clock.end(action)
-            elif action.kind == BACKWARD:
-                # W inside B: weight gradients straight into .grad, unless the reducer's hooks
-                # must see autograd accumulate them (the last backward, data-parallel)
-                listening = last and self.reducer is not None
-                sink = WeightGrads() if split or early else (None if listening else WeightGrads(now=True))
-                with collecting(sink):
-                    self._backward(step, action, attached.pop(i) if stage.is_last else None)
-                clock.end(action)
-                if early:
-                    sink.apply()
-                    clock.end(Action(action.stage_index, WEIGHT, i))  # the weight gradients, after the send
-                else:
-                    deferred[(action.stage_index, i)] = sink
-            elif (action.stage_index, i) not in self.fused:  # W: the weight gradients B left for later
-                deferred.pop((action.stage_index, i)).apply()
-                clock.end(action)
-            if last and self.reducer is not None:
-                self.reducer.flush(action.stage_index)
+        losses = self.executor.train_step(microbatches, targets, loss_fn, weights, step, self.reducer)
+        assert step.mail is not None
         step.mail.finish()
         if self.reducer is not None:
             self.reducer.finish()
@@ -388,11 +231,11 @@ class DistributedRuntime:
             old = stash[id(p)]
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)
-        total = torch.stack(list(losses.values())).sum() if losses else torch.zeros(())
+        total = torch.stack(losses).sum() if losses else torch.zeros(())
         total = total.to(self.device)
         work = dist.all_reduce(total, async_op=True)
         self._wait(work, "the loss all-reduce", "every rank")
-        return StepResult((total / self.topology.data_parallel_size).cpu(), [])
+        return StepResult((total / self.topology.data_parallel_size).cpu())
 
     def measure_step(
         self,
@@ -407,7 +250,7 @@ class DistributedRuntime:
         what = "the pipeline ranks' barrier before a measured step"
         self._wait(dist.all_reduce(torch.zeros(1, device=self.device), group=self.pipeline_group, async_op=True),
                    what, "every pipeline rank")
-        with timing(self) as clock:
+        with timing(self.executor) as clock:
             result = self.train_step(microbatches, targets, loss_fn, weights)
         step_s = clock.now()
         kinds = (FORWARD, BACKWARD, WEIGHT)
@@ -450,14 +293,15 @@ class DistributedRuntime:
         """Pipelined inference: the last stage's outputs, broadcast to every pipeline rank."""
         m = len(microbatches)
         step = self._step(microbatches, train=False)
-        self.random.new_step()
+        self.executor.random.new_step()
         outputs: list[Any] = [None] * m
         forwards = self._inference_actions([self.actions])[0]
         with torch.no_grad():
             for action in forwards:
-                out = self._forward(step, action, microbatches[action.microbatch_index], train=False)
+                out = self.executor.forward(step, action, microbatches[action.microbatch_index], train=False)
                 if self.stages[action.stage_index].is_last:
                     outputs[action.microbatch_index] = out
+        assert step.mail is not None and step.metas is not None
         step.mail.finish()
         return [self._broadcast_output(outputs[i], step.metas[i]["output"]) for i in range(m)]
 

@@ -95,12 +95,12 @@ def transparency_job(rank: int, world: int, case: str, batch: int, num_stages: i
                                    timeout_s=STEP_TIMEOUT_S, recompute=recompute)
         assert pm.plan.num_stages == num_stages and pm.plan.num_microbatches == num_microbatches
         if not early:  # what a plan within a tight memory budget does: weight gradients before sending
-            pm.runtime.early = set()
+            pm.runtime.executor.early = set()
         loss = pm.train_step(inputs, target)
         torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{schedule} loss: {m}")
         names = _assert_same_grads(pm, ref)
         reports.append({
-            "pointwise": {k: sorted(kinds) for k, kinds in pm.runtime.pointwise_recompute.items()},
+            "pointwise": {k: sorted(kinds) for k, kinds in pm.runtime.executor.rebuilt.items()},
             "rebuilds": pm.plan.rebuilds,
             "schedule": schedule,
             "loss": loss.item(),

@@ -36,7 +36,7 @@ def measure_job(rank: int, world: int) -> bytes:
         events = [(e.rank, str(e.action), e.start_s, e.end_s) for e in timeline.events]
         reports.append({"schedule": schedule, "events": events, "step_s": timeline.step_time_s,
                         "ranks": timeline.num_ranks, "place": placement(pm.schedule),
-                        "early": sorted(pm.runtime.early)})  # this rank's stages that send input gradients first
+                        "early": sorted(pm.runtime.executor.early)})  # this rank's stages that send input gradients first
     return pickle.dumps(reports)
 
 
