@@ -184,6 +184,34 @@ def tiny_gpt(batch_size: int = 8, *, num_layers: int = 2, size_ops: bool = False
     return ModelCase(model, (data[:, :-1].contiguous(),), data[:, 1:].contiguous(), lm_loss)
 
 
+# --------------------------------------------------------------------------- ResNet (BatchNorm)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class TinyResNet(nn.Module):
+    """A ResNet in small: a stem, residual blocks of BatchNorm2d, a BatchNorm1d head."""
+
+    def __init__(self, c: int = 8, num_blocks: int = 3, *, cumulative: bool = True) -> None:
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.blocks = nn.Sequential(*(ResidualBlock(c) for _ in range(num_blocks)))
+        self.fc, self.bn_fc = nn.Linear(c, 16), nn.BatchNorm1d(16, momentum=None if cumulative else 0.2)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 8, 8) -> (B, 10)
+        h = self.blocks(F.relu(self.bn(self.stem(x)))).mean((2, 3))  # (B, c)
+        return self.head(F.relu(self.bn_fc(self.fc(h))))
+
+
 # --------------------------------------------------------------------------- U-Net
 
 

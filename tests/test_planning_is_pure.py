@@ -12,30 +12,8 @@ import torch.nn.functional as F
 import replica
 from replica.partition.profile import profile
 from replica.partition.trace import trace
+from tests import models
 from tests.conftest import COMPUTE_BOUND
-
-
-class Block(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
-
-
-class TinyResNet(nn.Module):
-    """A ResNet in small: a stem, two residual blocks of BatchNorm2d, a head."""
-
-    def __init__(self, c: int = 8) -> None:
-        super().__init__()
-        self.stem, self.bn = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.blocks = nn.Sequential(Block(c), Block(c))
-        self.head = nn.Linear(c, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 8, 8) -> (B, 10)
-        return self.head(self.blocks(F.relu(self.bn(self.stem(x)))).mean((2, 3)))
 
 
 class DropoutMLP(nn.Module):
@@ -51,7 +29,7 @@ class DropoutMLP(nn.Module):
 
 
 def resnet() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    return TinyResNet(), (torch.randn(8, 3, 8, 8),)
+    return models.TinyResNet(num_blocks=2, cumulative=False), (torch.randn(32, 3, 8, 8),)  # 4 a micro-batch: BatchNorm1d
 
 
 def dropout_mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
