@@ -1,0 +1,251 @@
+"""Reading the weights a rank holds, by name, from safetensors files, HF directories or Replica checkpoints."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from replica.errors import ConfigError, ReplicaError
+from replica.train import checkpoint as ckpt
+
+__all__ = ["WeightsError", "read_weights", "wanted_from"]
+
+Wanted = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+_SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64",
+    "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool", "C64": "complex64"}.items()
+    if hasattr(torch, name)}
+_LISTED = 10  # names shown per kind of problem
+_STEP = re.compile(r"^step-\d{8,}$")  # as replica.train.checkpoint names them
+
+
+class WeightsError(ReplicaError):
+    """Weights could not be read: a missing or unreadable file, or names and shapes that do not fit the model."""
+
+
+def wanted_from(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``read_weights``'s ``wanted`` for a state_dict (or a slice of one): each name's shape and dtype."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
+
+
+class _Safetensors:
+    """Stored names from headers or an index; a shard is opened when one of its tensors is first asked for."""
+
+    def __init__(self, where: dict[str, Path], files: ExitStack, description: str) -> None:
+        self.where, self.files, self.description = where, files, description
+        self.opened: dict[Path, Any] = {}
+
+    @classmethod
+    def of_file(cls, file: Path, files: ExitStack) -> _Safetensors:
+        self = cls({}, files, f"safetensors file {file}")
+        self.where = dict.fromkeys(self._open(file).keys(), file)
+        return self
+
+    def _open(self, file: Path) -> Any:
+        if file not in self.opened:
+            try:
+                self.opened[file] = self.files.enter_context(safe_open(str(file), framework="pt"))
+            except Exception as exc:  # SafetensorError, OSError: a truncated header, a pickle, a text file
+                raise WeightsError(
+                    f"{file} is not a readable safetensors file ({type(exc).__name__}: {exc}); re-download or "
+                    "re-save it, or convert a PyTorch file with safetensors.torch.save_file(torch.load(f))"
+                ) from None
+        return self.opened[file]
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype | None]:
+        view = self._open(self.where[name]).get_slice(name)
+        return tuple(view.get_shape()), _SAFETENSORS_DTYPES.get(view.get_dtype())
+
+    def read(self, name: str) -> torch.Tensor:
+        tensor: torch.Tensor = self._open(self.where[name]).get_tensor(name)
+        return tensor
+
+
+class _Tensors:
+    """A Replica checkpoint's ``model-*.pt`` shards, memory-mapped: a tensor's bytes are read when copied."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], description: str) -> None:
+        self.where, self.description = tensors, description
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype | None]:
+        return tuple(self.where[name].shape), self.where[name].dtype
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.where[name]
+
+
+def _index(index: Path, files: ExitStack) -> _Safetensors:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        where = {str(name): index.parent / str(shard) for name, shard in weight_map.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise WeightsError(f"{index} is not a safetensors index with a 'weight_map' ({type(exc).__name__}: "
+                           f"{exc}); re-download it or save the model again") from None
+    absent = sorted({f.name for f in where.values() if not f.is_file()})
+    if absent:
+        raise WeightsError(f"{index} names {len(absent)} shard(s) missing from {index.parent}: {absent[:_LISTED]}; "
+                           "the download or copy is incomplete: fetch those files")
+    return _Safetensors(where, files, f"sharded safetensors index {index} ({len(set(where.values()))} shards)")
+
+
+def _replica(path: Path) -> _Tensors:
+    """The newest complete step under a checkpoint_dir (or a step directory itself): manifest present and
+    every model shard of the size it records. Checksums are not taken: that would read every byte."""
+    steps = [path] if (path / ckpt.MANIFEST).exists() or _STEP.match(path.name) else ckpt.checkpoints(path)
+    problems = []
+    for step in reversed(steps):
+        try:
+            manifest = ckpt.read_manifest(step)
+            files = sorted(n for n in manifest["files"] if n.startswith("model-"))
+            wrong = [n for n in files if not (step / n).is_file()
+                     or (step / n).stat().st_size != manifest["files"][n]["bytes"]]
+            if wrong or not files:
+                raise ckpt.CheckpointError(f"{step}: model shards {wrong or files} are missing or truncated")
+        except ckpt.CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        tensors: dict[str, torch.Tensor] = {}
+        for name in files:
+            try:
+                shard = torch.load(step / name, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:  # unpickling errors, truncated zip files
+                raise WeightsError(f"{step / name} cannot be read ({type(exc).__name__}: {exc}); "
+                                   "read an older step directory") from None
+            for key, value in shard.items():
+                tensors.setdefault(key, value)
+        return _Tensors(tensors, f"Replica checkpoint {step} ({len(files)} model shards)")
+    raise WeightsError(f"no complete Replica checkpoint in {path}: {'; '.join(problems)}; pass a checkpoint_dir "
+                       "the trainer wrote, or one of its complete step-XXXXXXXX directories")
+
+
+def _source(path: Path, files: ExitStack) -> _Safetensors | _Tensors:
+    """What ``path`` is: a file, a Replica checkpoint, or a directory ``save_pretrained`` wrote."""
+    if not path.exists():
+        raise WeightsError(f"{path} does not exist; pass a .safetensors file, a directory save_pretrained wrote, "
+                           "or a Replica checkpoint_dir")
+    if path.is_file():
+        return _index(path, files) if path.name.endswith(".index.json") else _Safetensors.of_file(path, files)
+    if (path / ckpt.MANIFEST).exists() or _STEP.match(path.name) or ckpt.checkpoints(path):
+        return _replica(path)
+    for candidates, reader in ((["model.safetensors"], _Safetensors.of_file),
+                               (["model.safetensors.index.json"], _index),
+                               (sorted(p.name for p in path.glob("*.safetensors.index.json")), _index),
+                               (sorted(p.name for p in path.glob("*.safetensors")), _Safetensors.of_file)):
+        found = [path / c for c in candidates if (path / c).is_file()]
+        if len(found) == 1:
+            return reader(found[0], files)
+    held = sorted(p.name for p in path.iterdir())
+    more = " ..." if len(held) > _LISTED else ""
+    raise WeightsError(
+        f"{path} holds no weights read_weights recognises (it has {held[:_LISTED]}{more}): "
+        "it wants model.safetensors, model.safetensors.index.json with its shards, exactly one *.safetensors file, "
+        "or Replica step-XXXXXXXX directories; convert a pytorch_model.bin with safetensors.torch.save_file"
+    )
+
+
+def _renaming(names: Collection[str], stored: Collection[str]) -> tuple[str, Callable[[str], str]]:
+    """One renaming for the whole checkpoint: as is, or the model's base prefix removed or added
+    (``transformer.h.0`` <-> ``h.0``), whichever finds the most names; O(candidates * names)."""
+    firsts = {n.split(".", 1)[0] + "." for n in names if "." in n}
+    stored_firsts = {n.split(".", 1)[0] + "." for n in stored if "." in n}
+    candidates: list[tuple[str, Callable[[str], str]]] = [("as stored", lambda n: n)]
+    for p in sorted(firsts - stored_firsts):
+        candidates.append((f"with prefix {p!r} removed", lambda n, p=p: n[len(p):] if n.startswith(p) else n))
+    for p in sorted(stored_firsts - firsts):
+        candidates.append((f"with prefix {p!r} added", lambda n, p=p: p + n))
+    return max(candidates, key=lambda c: sum(c[1](n) in stored for n in names))  # ties: the first, as stored
+
+
+def _listing(kind: str, lines: list[str]) -> str:
+    more = f"\n    ... and {len(lines) - _LISTED} more" if len(lines) > _LISTED else ""
+    return f"  {len(lines)} {kind}:\n" + "\n".join(f"    {line}" for line in lines[:_LISTED]) + more
+
+
+def _check(wanted: Wanted) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    out = {}
+    for name, spec in wanted.items():
+        try:
+            shape, dtype = spec
+            out[name] = (tuple(int(d) for d in shape), dtype)
+        except (TypeError, ValueError):
+            dtype = None
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"wanted[{name!r}] is {spec!r}; give (shape, dtype), e.g. ((768,), torch.float32), "
+                              "or build wanted with replica.weights.wanted_from(model.state_dict())")
+    return out
+
+
+def read_weights(path: str | os.PathLike[str], wanted: Wanted, *, aliases: Mapping[str, Sequence[str]] = {},
+                 all_names: Iterable[str] | None = None, strict_unexpected: bool = False,
+                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Read the tensors named in ``wanted`` (state_dict names -> (shape, dtype)) from ``path``, and no others.
+
+    ``path``: a ``.safetensors`` file or ``*.safetensors.index.json``; a directory ``save_pretrained``
+    wrote (only the shards holding wanted names are opened); a Replica ``checkpoint_dir`` (its newest
+    complete step) or one ``step-XXXXXXXX`` directory. Files are memory-mapped and read tensor by tensor.
+    Stored names match as they are, or with the model's base prefix removed or added (``transformer.``,
+    ``model.``), one choice for the whole checkpoint. A name not stored is taken from a tie partner:
+    ``aliases`` maps a name to its other names, e.g. ``{"transformer.wte.weight": ("lm_head.weight",)}``.
+    Each tensor is CAST to its wanted dtype and placed on ``device``; tied names share one tensor.
+    With ``strict_unexpected``, a stored name that none of ``all_names`` (the whole model's names;
+    default ``wanted``'s) matches is an error: the checkpoint is of another model.
+    Raises :class:`WeightsError` before reading any tensor, listing every missing name (with the
+    closest stored names), mis-shaped or mis-typed name and unexpected name at once.
+    """
+    wanted = _check(wanted)
+    groups: dict[str, set[str]] = {}
+    for canonical, others in aliases.items():
+        group = {canonical, *others}.union(*(groups.get(n, set()) for n in (canonical, *others)))
+        groups.update(dict.fromkeys(group, group))
+    model_names = set(all_names) if all_names is not None else set(wanted).union(*(groups.get(n, ()) for n in wanted))
+    with ExitStack() as files:
+        source = _source(Path(path), files)
+        stored = source.where.keys()
+        how, rename = _renaming(model_names, stored)
+        chosen: dict[str, str] = {}
+        missing, misshaped, unexpected = [], [], []
+        for name, (shape, dtype) in wanted.items():
+            tied = sorted(groups.get(name, set()) - {name})
+            key = next((rename(n) for n in (name, *tied) if rename(n) in stored), None)
+            if key is None:  # the closest names only for those listed: difflib is slow on big checkpoints
+                close = difflib.get_close_matches(rename(name), stored, n=3) if len(missing) < _LISTED else []
+                as_stored = f" (looked for {rename(name)!r})" if rename(name) != name else ""
+                missing.append(f"{name}{as_stored}; closest stored: {close or 'none'}")
+                continue
+            have, kind = source.meta(key)
+            if have != shape:
+                misshaped.append(f"{name}: stored {key} has shape {have}, the model's is {shape}")
+            elif kind is not None and kind.is_floating_point != dtype.is_floating_point:
+                misshaped.append(f"{name}: stored {key} is {kind}, the model's is {dtype}; casting would corrupt it")
+            chosen[name] = key
+        if strict_unexpected:
+            known = {rename(n) for n in model_names}
+            unexpected = sorted(k for k in stored if k not in known)
+        if missing or misshaped or unexpected:
+            parts = [_listing("missing", missing), _listing("mis-shaped or mis-typed", misshaped),
+                     _listing("unexpected (stored, but the model has no such name)", unexpected)]
+            raise WeightsError(
+                f"{source.description} ({len(stored)} tensors, names matched {how}) does not fit the "
+                f"{len(wanted)} wanted weights:\n" + "\n".join(p for p in parts if not p.startswith("  0 ")) +
+                "\nCheck that the checkpoint is of this model and config; pass aliases= for tied weights "
+                "(e.g. {'transformer.wte.weight': ('lm_head.weight',)}) and all_names= the whole model's names."
+            )
+        out: dict[str, torch.Tensor] = {}
+        read: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        for name, key in chosen.items():
+            dtype = wanted[name][1]
+            if (key, dtype) not in read:  # copy=True: never hand out a memory-mapped file's own storage
+                read[key, dtype] = source.read(key).to(device=device, dtype=dtype, copy=True)
+            out[name] = read[key, dtype]
+        return out
