@@ -11,6 +11,7 @@ from replica.errors import (
     TraceError,
 )
 from replica.layout import Layout
+from replica.materialize import deferred_init, materialize
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
 from replica.pipeline.heap import keep_freed_memory
@@ -32,6 +33,8 @@ __all__ = [
     "CheckpointError",
     "Plan",
     "Layout",
+    "materialize",
+    "deferred_init",
     "PlannerOptions",
     "PipelineModel",
     "DeviceSpec",
