@@ -98,6 +98,12 @@ def _check_given_plan(given: Plan, world: int, **asked: Any) -> None:
                 f"{name}={value!r} disagrees with the plan passed in, which has {name}={planned!r}; "
                 f"leave {name} out to use the plan's, or re-plan"
             )
+    if world == 1 and given.data_parallel_size > 1:
+        raise ConfigError(
+            f"the plan passed in has {given.data_parallel_size} data-parallel replicas ({given.layout.describe()}), "
+            f"which need a process group of {given.layout.world_size} (torchrun); in one process use a plan "
+            "made without world_size (replica.plan(model, inputs, num_stages=...))"
+        )
     if world > 1 and given.layout.world_size != world:
         raise ConfigError(
             f"the plan passed in lays out {given.layout.world_size} processes ({given.layout.describe()}) but this "

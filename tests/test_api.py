@@ -362,3 +362,12 @@ def test_a_model_whose_remote_weights_were_freed_is_refused(mlp):
     pm._release_remote_weights()
     msg = error(replica.ConfigError, replica.auto_parallel, mlp.model, mlp.example_inputs, num_stages=2)
     assert "already went through a distributed auto_parallel" in msg and "Build (or load) the model again" in msg
+
+
+def test_a_plan_with_replicas_needs_its_world(mlp):
+    """In one process a data-parallel plan would train one replica's slice only: refused."""
+    p = replica.plan(mlp.model, mlp.example_inputs, world_size=4, num_stages=2, device=COMPUTE_BOUND)
+    assert p.data_parallel_size == 2
+    msg = error(replica.ConfigError, replica.auto_parallel, mlp.model, mlp.example_inputs, plan=p,
+                loss_fn=mlp.loss_fn)
+    assert "2 data-parallel replicas" in msg and "process group of 4" in msg
