@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Sequence
+import os
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from replica.errors import ConfigError, PipelineError
+from replica.materialize import materialize_modules
 from replica.partition.plan import Plan
 from replica.partition.trace import trace
 from replica.pipeline.local import LossFn
-from replica.pipeline_model import PipelineModel
+from replica.pipeline.schedule import placement
+from replica.pipeline_model import PipelineModel, plan_schedule
 from replica.planner import PlannerOptions, PlanRequest, make_plan
 from replica.planner.agree import agree_on_plan, distributed, use_the_model_device
 
@@ -138,6 +141,8 @@ def auto_parallel(
     deferred_batchnorm: bool = True,
     plan: Plan | None = None,
     timeout_s: float = 300.0,
+    init: Callable[[torch.nn.Module], None] | None = None,
+    weights: str | os.PathLike[str] | None = None,
 ) -> PipelineModel:
     """Trace, plan and split ``model`` into a pipeline, and return it ready to train.
 
@@ -154,6 +159,16 @@ def auto_parallel(
     micro-batch still normalizes with its own statistics). ``plan`` reuses
     a plan (e.g. ``Plan.from_json``) instead of planning again. ``timeout_s`` bounds every
     wait on another rank.
+
+    A model built on meta (``with torch.device("meta"):``, or ``with replica.deferred_init():``
+    for real buffers) is planned without its weights; then each rank allocates and initializes
+    only the parameters and buffers of its own stages (in one process: all of them), on the
+    CPU (NCCL: this rank's current GPU), as :func:`replica.materialize` would under the same
+    seed: each module's ``reset_parameters()``, then ``init(module)`` when given; with
+    ``weights`` (a ``.safetensors`` file, a Hugging Face directory or a Replica checkpoint) the
+    saved tensors are then loaded by name. The seed is one draw from torch's generator on rank 0,
+    shared with the plan, so the weights do not depend on the layout. The other stages'
+    tensors stay on meta and are never allocated.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -181,6 +196,19 @@ def auto_parallel(
         raise ConfigError(f"deferred_batchnorm must be True or False, got {deferred_batchnorm!r}")
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if not on_meta and (init is not None or weights is not None):
+        given = " and ".join(n for n, v in (("init=", init), ("weights=", weights)) if v is not None)
+        raise ConfigError(
+            f"{given} initialize or load a model built on meta, but {type(model).__name__} has no tensor on the "
+            "meta device: its weights are already real. Build it under `with torch.device('meta'):` or "
+            "`with replica.deferred_init():` to have each rank allocate only its own stages, or drop " + given
+        )
+    if init is not None and not callable(init):
+        raise ConfigError(f"init must be callable(module) -> None, applied to each module, got {type(init).__name__}")
+    # the same draw on every rank (rank 0's reaches the others with the plan): the weights are
+    # those replica.materialize gives under the same torch.manual_seed, whatever the layout
+    seed = int(torch.randint(2**62, ()).item()) if on_meta else None
     world = dist.get_world_size() if distributed() else 1
     if plan is not None:
         _check_given_plan(plan, world, num_stages=num_stages, num_microbatches=num_microbatches,
@@ -202,16 +230,45 @@ def auto_parallel(
         plan = dataclasses.replace(plan, pointwise_recompute=True)
     try:
         if world > 1:
-            plan = agree_on_plan(plan, traced)
+            plan, seed = agree_on_plan(plan, traced, seed)
         assert plan is not None
+        device = None
+        if on_meta:
+            assert seed is not None
+            device = _materialize_own_stages(model, plan, world, init, weights, seed)
+            # traced again for the runtime: the graph module copied the meta tensors it reads by
+            # attribute, and fx folds what the forward computes from buffers into constants
+            traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules,
+                           tracer=traced.tracer, dynamic_dims=dynamic_dims)
         return PipelineModel(model, traced, plan, loss_fn=loss_fn, loss_reduction=loss_reduction,
-                             batch=request.batch, deferred_batchnorm=deferred_batchnorm, timeout_s=timeout_s)
+                             batch=request.batch, deferred_batchnorm=deferred_batchnorm, timeout_s=timeout_s,
+                             device=device)
     except RuntimeError as exc:  # a collective of the set-up failed: a peer died or hung
         raise PipelineError(
             f"setting up the pipeline on rank {dist.get_rank()} of {world} failed while the ranks exchanged the "
             f"plan and built their process groups: {type(exc).__name__}: {str(exc).splitlines()[0]}. Another "
             "rank died, hung, or never called auto_parallel."
         ) from exc
+
+
+def _materialize_own_stages(model: torch.nn.Module, plan: Plan, world: int,
+                            init: Callable[[torch.nn.Module], None] | None, weights: str | os.PathLike[str] | None,
+                            seed: int) -> torch.device:
+    """Allocate and initialize (or load) the tensors of this rank's stages (in one process: every
+    stage's) in ``model``; returns the device they are on."""
+    if world > 1 and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        rank = plan.layout.coordinates(dist.get_rank()).pipeline_rank
+        where = placement(plan_schedule(plan))
+        mine = [s for s in plan.stages if where[s.stage_index] == rank]
+    else:
+        mine = list(plan.stages)
+    paths = list(dict.fromkeys(name.rpartition(".")[0] for s in mine for name in s.parameter_names))
+    materialize_modules(model, paths, init, device, seed=seed, weights=weights)
+    return device
 
 
 auto_parallel.__doc__ = (auto_parallel.__doc__ or "") + _PLANNING_DOC

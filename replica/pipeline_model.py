@@ -45,6 +45,7 @@ class PipelineModel:
         batch: str = "global",
         deferred_batchnorm: bool = True,
         timeout_s: float,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
@@ -81,7 +82,8 @@ class PipelineModel:
                     f"process group has {dist.get_world_size()}; re-plan for this world"
                 )
             topology = Topology(plan.layout, dist.get_rank())
-            device = next(model.parameters()).device
+            if device is None:  # a materialized meta model names its own: the rest of it stays on meta
+                device = next(model.parameters()).device
             boundary = [b.name for s in plan.stages for b in s.outputs]
             oracle = ShapeOracle(traced.module, boundary, device, traced.out_spec)
             self.runtime = DistributedRuntime(self.all_stages, self.schedule, plan, topology, oracle,

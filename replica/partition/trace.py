@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import traceback
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -198,12 +200,17 @@ def _op_name(node: fx.Node, module: torch.nn.Module | None) -> str:
 class _Recorder(fx.Interpreter):
     """Runs the graph once (really, or on meta/fake tensors) and records shapes and FLOPs."""
 
-    def __init__(self, gm: fx.GraphModule, param_names: dict[int, str]) -> None:
+    def __init__(self, gm: fx.GraphModule, param_names: dict[int, str], on_meta: bool = False) -> None:
         super().__init__(gm)
         self.param_names = param_names
+        self.on_meta = on_meta  # constants (and any real tensor attribute) read as meta copies
         self.outputs: dict[str, tuple[TensorInfo, ...]] = {}
         self.flops: dict[str, float] = {}
         self.kinds: dict[str, str] = {}
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        return _meta(value) if self.on_meta else value
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("call_function", "call_method", "call_module"):
@@ -260,6 +267,32 @@ def _fake_inputs(inputs: tuple[Any, ...], device: torch.device, mode: FakeTensor
                         if isinstance(x, torch.Tensor) else x, inputs)
 
 
+def _meta(x: Any) -> Any:
+    """A meta tensor of ``x``'s shape, dtype and strides (``x`` itself when not a real tensor)."""
+    if not isinstance(x, torch.Tensor) or x.is_meta:
+        return x
+    out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.nn.Parameter):
+        return torch.nn.Parameter(out, requires_grad=x.requires_grad)
+    return out.requires_grad_(x.requires_grad) if x.is_leaf and x.dtype.is_floating_point else out
+
+
+@contextlib.contextmanager
+def _on_meta(gm: fx.GraphModule) -> Iterator[None]:
+    """Swap every real parameter and buffer of ``gm`` for a meta copy (tied ones stay tied), restoring
+    them after: a model partly on meta (``deferred_init``'s real buffers, a rank's own stages
+    materialized) records shapes without mixing devices."""
+    real = {name: t for name, t in [*gm.named_parameters(remove_duplicate=False),
+                                    *gm.named_buffers(remove_duplicate=False)] if not t.is_meta}
+    if not real:
+        yield
+        return
+    copies: dict[int, torch.Tensor] = {}
+    swapped = {name: copies.setdefault(id(t), _meta(t)) for name, t in real.items()}
+    with _reparametrize_module(gm, swapped):
+        yield
+
+
 def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[int, str]) -> _Recorder:
     """Propagate shapes on fake tensors: nothing is computed or allocated, whatever the
     inputs and weights are (meta, fake or real). A graph that fake tensors cannot run (an
@@ -271,6 +304,8 @@ def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[in
     way, the model is left as it was (buffers such as a BatchNorm's statistics, RNG, modes)."""
     tensors = list(gm.parameters()) + list(gm.buffers())
     device = tensors[0].device if tensors else (inputs[0].device if inputs else torch.device("cpu"))
+    if any(t.is_meta for t in tensors):  # a model (partly) on meta: shapes and dtypes on meta, all of them
+        device = torch.device("meta")
     real = device.type != "meta" and not any(
         x.device.type == "meta" or type(x).__name__ == "FakeTensor" for x in tree_leaves(inputs))
     # a training-mode BatchNorm counts batches even on fake tensors (and, run for real,
@@ -282,9 +317,10 @@ def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[in
 def _run_recorder(gm: fx.GraphModule, inputs: tuple[Any, ...], names: dict[int, str], device: torch.device,
                   real: bool) -> _Recorder:
     try:
-        if device.type == "meta":
-            recorder = _Recorder(gm, names)
-            recorder.run(*tree_map(lambda x: x.to("meta"), inputs))
+        if device.type == "meta":  # every tensor on meta: real inputs, buffers and constants too
+            recorder = _Recorder(gm, names, on_meta=True)
+            with _on_meta(gm):
+                recorder.run(*tree_map(_meta, inputs))
             return recorder
         try:
             recorder = _Recorder(gm, names)

@@ -27,6 +27,8 @@ def use_the_model_device(model: torch.nn.Module) -> None:
     if dist.get_backend() != "nccl":
         return
     device = next(model.parameters()).device
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # a meta model: each rank's own stages
+        return  # are materialized on its current GPU (torch.cuda.current_device()) after planning
     if device.type != "cuda":
         raise ConfigError(
             f"the process group runs NCCL, which carries only CUDA tensors, but the model is on {device}. Move it "
@@ -37,11 +39,13 @@ def use_the_model_device(model: torch.nn.Module) -> None:
         torch.cuda.set_device(device)
 
 
-def agree_on_plan(plan: Plan | None, traced: Traced) -> Plan:
-    """Rank 0's plan, on every rank; every rank's traced graph must be the one it was made for."""
-    payload = [plan.to_json() if plan is not None else None]
+def agree_on_plan(plan: Plan | None, traced: Traced, seed: int | None = None) -> tuple[Plan, int | None]:
+    """Rank 0's plan and ``seed`` (the seed a meta model's weights are initialized from), on every
+    rank; every rank's traced graph must be the one the plan was made for."""
+    payload = [plan.to_json() if plan is not None else None, seed]
     dist.broadcast_object_list(payload, src=0)
     agreed = Plan.from_json(payload[0])
+    seed = payload[1]
     mine = fingerprint(traced.graph)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -52,4 +56,4 @@ def agree_on_plan(plan: Plan | None, traced: Traced) -> Plan:
             f"({agreed.graph_fingerprint}). Every rank must build the same model with the same example input "
             "shapes, leaf modules and seed-independent structure."
         )
-    return agreed
+    return agreed, seed

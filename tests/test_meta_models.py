@@ -1,0 +1,119 @@
+"""A model built on meta goes through ``auto_parallel`` without its weights: planned on meta,
+then materialized (in one process: every stage) with ``replica.materialize``'s weights under
+the same seed, and trained with the plain model's gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import replica
+from replica.errors import ConfigError
+from replica.partition.partitioner import fingerprint
+from replica.partition.trace import trace
+from tests import models
+
+SEED = 1234
+
+
+def tiny_gpt_init(module: nn.Module) -> None:
+    """What TinyGPT's constructor computes into buffers, which a model built on meta loses."""
+    if isinstance(module, models.TinyGPT):
+        module.pos.copy_(torch.arange(module.pos.numel()))
+    if isinstance(module, models.CausalSelfAttention):
+        n = module.bias.shape[-1]
+        module.bias.copy_(torch.tril(torch.ones(n, n)).view(1, 1, n, n))
+
+
+def build(kind: str) -> nn.Module:
+    if kind == "deferred":
+        with replica.deferred_init():
+            return models.TinyGPT()
+    with torch.device("meta"):
+        return models.TinyGPT()
+
+
+INIT = {"deferred": None, "meta": tiny_gpt_init}
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 64, (8, 17), generator=g)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def reference(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    """replica.materialize of the same meta model under the same seed, after one plain backward."""
+    x, y = batch()
+    torch.manual_seed(SEED)
+    ref = replica.materialize(build(kind), init=INIT[kind])
+    loss = models.lm_loss(ref(x), y)
+    loss.backward()
+    return ref, loss.detach()
+
+
+def assert_same(pm: replica.PipelineModel, ref: nn.Module) -> None:
+    want = dict(ref.named_parameters())
+    names = []
+    for name, p in pm.named_parameters():
+        assert p.device.type == "cpu", name
+        torch.testing.assert_close(p.detach(), want[name].detach(), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+        names.append(name)
+    assert sorted(names) == sorted(want)
+
+
+@pytest.mark.parametrize("kind", ["deferred", "meta"])
+def test_meta_trace_plans_like_the_real_model(kind: str) -> None:
+    x, _ = batch()
+    real = trace(models.TinyGPT(), (x,))
+    meta = trace(build(kind), (x,))
+    assert fingerprint(meta.graph) == fingerprint(real.graph)
+
+
+@pytest.mark.parametrize("kind", ["deferred", "meta"])
+@pytest.mark.parametrize("num_stages", [1, 2, 4])
+def test_meta_model_trains_like_materialize(kind: str, num_stages: int) -> None:
+    ref, ref_loss = reference(kind)
+    x, y = batch()
+    torch.manual_seed(SEED)
+    model = build(kind)
+    pm = replica.auto_parallel(model, (x,), num_stages=num_stages, num_microbatches=4, init=INIT[kind],
+                               loss_fn=models.lm_loss)
+    assert pm.plan.num_stages == num_stages
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    loss = pm.train_step(x, y)
+    torch.testing.assert_close(loss, ref_loss)
+    assert_same(pm, ref)
+
+
+def test_meta_model_loads_weights(tmp_path) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    x, y = batch()
+    torch.manual_seed(7)
+    plain = models.TinyGPT()
+    state = {k: v.contiguous() for k, v in plain.state_dict().items() if k != "lm_head.weight"}  # tied: once
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(state, str(path))
+    ref = copy.deepcopy(plain)
+    ref_loss = models.lm_loss(ref(x), y)
+    ref_loss.backward()
+    with torch.device("meta"):
+        model = models.TinyGPT()
+    pm = replica.auto_parallel(model, (x,), num_stages=2, num_microbatches=2, weights=path,
+                               init=tiny_gpt_init, loss_fn=models.lm_loss)
+    loss = pm.train_step(x, y)
+    torch.testing.assert_close(loss, ref_loss.detach())
+    assert_same(pm, ref)
+
+
+def test_init_or_weights_for_a_real_model_is_refused() -> None:
+    x, _ = batch()
+    with pytest.raises(ConfigError, match="no tensor on the meta device"):
+        replica.auto_parallel(models.TinyGPT(), (x,), num_stages=2, init=tiny_gpt_init)
+    with pytest.raises(ConfigError, match="weights="):
+        replica.auto_parallel(models.TinyGPT(), (x,), num_stages=2, weights="nowhere.safetensors")
