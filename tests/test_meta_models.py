@@ -117,3 +117,32 @@ def test_init_or_weights_for_a_real_model_is_refused() -> None:
         replica.auto_parallel(models.TinyGPT(), (x,), num_stages=2, init=tiny_gpt_init)
     with pytest.raises(ConfigError, match="weights="):
         replica.auto_parallel(models.TinyGPT(), (x,), num_stages=2, weights="nowhere.safetensors")
+
+
+def test_hugging_face_gpt2_on_meta_loads_save_pretrained_weights(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    saved = transformers.GPT2LMHeadModel(cfg)
+    saved.save_pretrained(tmp_path, max_shard_size="20KB")  # a sharded index
+    ids = torch.randint(0, 128, (4, 16))
+    target = torch.randint(0, 128, (4, 16))
+
+    def loss_fn(out, y):
+        return models.lm_loss(out.logits, y)
+
+    ref_loss = loss_fn(saved(ids, use_cache=False), target)
+    ref_loss.backward()
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    pm = replica.auto_parallel(model, (ids,), example_kwargs={"use_cache": False}, num_stages=2, num_microbatches=2,
+                               weights=tmp_path, loss_fn=loss_fn)
+    loss = pm.train_step(ids, target)
+    torch.testing.assert_close(loss, ref_loss.detach())
+    want = dict(saved.named_parameters())
+    names = [n for n, _ in pm.named_parameters()]
+    assert sorted(names) == sorted(want)
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
