@@ -8,10 +8,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from replica.errors import ConfigError, PipelineError
 from replica.materialize import materialize_modules
 from replica.partition.plan import Plan
+from replica.partition.holding import rebind_tensors
 from replica.partition.trace import trace
 from replica.pipeline.local import LossFn
 from replica.pipeline.schedule import placement
@@ -236,10 +238,13 @@ def auto_parallel(
         if on_meta:
             assert seed is not None
             device = _materialize_own_stages(model, plan, world, init, weights, seed)
-            # traced again for the runtime: the graph module copied the meta tensors it reads by
-            # attribute, and fx folds what the forward computes from buffers into constants
-            traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules,
-                           tracer=traced.tracer, dynamic_dims=dynamic_dims)
+            if traced.tracer == "fx":  # traced again for the runtime: fx folds what the forward computes
+                # from buffers (a causal mask's `== 0`) into constants, meta ones on a meta model
+                traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules,
+                               tracer="fx", dynamic_dims=dynamic_dims)
+            else:  # an exported graph reads every weight by name, and export cannot run a model
+                rebind_tensors(traced.module, model)  # partly on meta: point it at the new tensors
+                _devices_from_meta(traced.module, device)  # and at their device
         return PipelineModel(model, traced, plan, loss_fn=loss_fn, loss_reduction=loss_reduction,
                              batch=request.batch, deferred_batchnorm=deferred_batchnorm, timeout_s=timeout_s,
                              device=device)
@@ -249,6 +254,16 @@ def auto_parallel(
             f"plan and built their process groups: {type(exc).__name__}: {str(exc).splitlines()[0]}. Another "
             "rank died, hung, or never called auto_parallel."
         ) from exc
+
+
+def _devices_from_meta(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """An exported graph writes the device it was traced on into its ops (``arange(device=)``,
+    ``to(device=)``, metadata asserts): a meta model's graph runs on ``device`` instead."""
+    to_device = lambda v: device if isinstance(v, torch.device) and v.type == "meta" else v  # noqa: E731
+    for n in gm.graph.nodes:
+        n.args = tree_map(to_device, n.args)
+        n.kwargs = tree_map(to_device, n.kwargs)
+    gm.recompile()
 
 
 def _materialize_own_stages(model: torch.nn.Module, plan: Plan, world: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["hold_tensor", "hold_unused"]
+__all__ = ["hold_tensor", "hold_unused", "rebind_tensors"]
 
 
 def hold_tensor(root: torch.nn.Module, name: str, tensor: torch.Tensor, persistent: bool = True) -> None:
@@ -37,3 +37,19 @@ def hold_unused(gm: fx.GraphModule, model: torch.nn.Module) -> None:
             module, _, field = name.rpartition(".")
             hold_tensor(gm, name, t, field not in owners[module]._non_persistent_buffers_set)
             held.add(id(t))
+
+
+def rebind_tensors(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """Point ``gm`` at ``model``'s current tensors, by name. After a meta model's tensors were
+    materialized (new objects in its modules' ``_parameters`` and ``_buffers``), those a graph
+    module holds itself (every weight of an exported graph, ``get_attr`` targets) are the stale
+    meta ones; sub-modules an fx graph calls are the model's own objects, up to date already."""
+    current = dict(model.named_parameters(remove_duplicate=False))
+    current.update(model.named_buffers(remove_duplicate=False))
+    for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        new = current.get(name)
+        if new is None or new is t:
+            continue
+        path, _, field = name.rpartition(".")
+        owner = gm.get_submodule(path)
+        getattr(owner, "_parameters" if field in owner._parameters else "_buffers")[field] = new

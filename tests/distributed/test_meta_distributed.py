@@ -95,3 +95,49 @@ def test_meta_model_loads_its_stages_weights(tmp_path) -> None:
     safetensors_torch.save_file(state, str(path))
     results = _run(2, 2, str(path))
     _check(results, 2)
+
+
+def hf_meta_job(rank: int, world: int, directory: str) -> bytes:
+    """A Hugging Face GPT-2 (traced by torch.export) built on meta, loaded by each rank for its stages."""
+    import transformers
+
+    cfg = transformers.GPT2Config.from_pretrained(directory)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (4, 16))
+    target = torch.randint(0, 128, (4, 16))
+
+    def loss_fn(out, y):
+        return models.lm_loss(out.logits, y)
+
+    saved = transformers.GPT2LMHeadModel.from_pretrained(directory)
+    ref_loss = loss_fn(saved(ids, use_cache=False), target)
+    ref_loss.backward()
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    pm = replica.auto_parallel(model, (ids,), example_kwargs={"use_cache": False}, num_stages=2, num_microbatches=2,
+                               weights=directory, loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S)
+    loss = pm.train_step(ids, target)
+    torch.testing.assert_close(loss, ref_loss.detach())
+    want = dict(saved.named_parameters())
+    names = []
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+        names.append(name)
+    real = sum(p.nbytes for p in model.parameters() if not p.is_meta)
+    return pickle.dumps({"names": names, "real_bytes": real, "total_bytes": sum(p.nbytes for p in saved.parameters()),
+                         "tracer": pm.plan.tracer if hasattr(pm.plan, "tracer") else None})
+
+
+def test_hugging_face_gpt2_on_meta_over_two_ranks(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    results = [pickle.loads(r) for r in run_local(hf_meta_job, 2, str(tmp_path), timeout_s=RUN_TIMEOUT_S * 2)]
+    for r in results:
+        assert 0 < r["real_bytes"] < r["total_bytes"], r
+    held = {n for r in results for n in r["names"]}
+    with torch.device("meta"):
+        assert held == {n for n, _ in transformers.GPT2LMHeadModel(cfg).named_parameters()}
