@@ -146,3 +146,15 @@ def test_hugging_face_gpt2_on_meta_loads_save_pretrained_weights(tmp_path) -> No
     assert sorted(names) == sorted(want)
     for name, p in pm.named_parameters():
         torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+
+
+def test_nccl_lets_a_meta_model_through(monkeypatch) -> None:
+    """Under NCCL a CPU model is refused before any collective; a meta model has no device yet:
+    each rank materializes its stages on its current GPU after planning."""
+    from replica.planner import agree
+
+    monkeypatch.setattr(agree.dist, "get_backend", lambda group=None: "nccl")
+    agree.use_the_model_device(build("meta"))
+    agree.use_the_model_device(build("deferred"))  # real buffers, parameters on meta
+    with pytest.raises(ConfigError, match="NCCL"):
+        agree.use_the_model_device(models.TinyGPT())
