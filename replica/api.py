@@ -12,8 +12,8 @@ from torch.utils._pytree import tree_map
 
 from replica.errors import ConfigError, PipelineError
 from replica.materialize import materialize_modules
-from replica.partition.plan import Plan
 from replica.partition.holding import rebind_tensors
+from replica.partition.plan import Plan
 from replica.partition.trace import trace
 from replica.pipeline.local import LossFn
 from replica.pipeline.schedule import placement
