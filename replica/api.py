@@ -8,16 +8,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
 from replica.errors import ConfigError, PipelineError
-from replica.materialize import materialize_modules
-from replica.partition.holding import rebind_tensors
+from replica.meta import materialize_own_stages, ready_for_runtime
 from replica.partition.plan import Plan
 from replica.partition.trace import trace
 from replica.pipeline.local import LossFn
-from replica.pipeline.schedule import placement
-from replica.pipeline_model import PipelineModel, plan_schedule
+from replica.pipeline_model import PipelineModel
 from replica.planner import PlannerOptions, PlanRequest, make_plan
 from replica.planner.agree import agree_on_plan, distributed, use_the_model_device
 
@@ -237,14 +234,10 @@ def auto_parallel(
         device = None
         if on_meta:
             assert seed is not None
-            device = _materialize_own_stages(model, plan, world, init, weights, seed)
-            if traced.tracer == "fx":  # traced again for the runtime: fx folds what the forward computes
-                # from buffers (a causal mask's `== 0`) into constants, meta ones on a meta model
-                traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules,
-                               tracer="fx", dynamic_dims=dynamic_dims)
-            else:  # an exported graph reads every weight by name, and export cannot run a model
-                rebind_tensors(traced.module, model)  # partly on meta: point it at the new tensors
-                _devices_from_meta(traced.module, device)  # and at their device
+            device = materialize_own_stages(model, plan, world, init, weights, seed)
+            traced = ready_for_runtime(traced, model, device, lambda: trace(
+                model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer="fx",
+                dynamic_dims=dynamic_dims))
         return PipelineModel(model, traced, plan, loss_fn=loss_fn, loss_reduction=loss_reduction,
                              batch=request.batch, deferred_batchnorm=deferred_batchnorm, timeout_s=timeout_s,
                              device=device)
@@ -254,36 +247,6 @@ def auto_parallel(
             f"plan and built their process groups: {type(exc).__name__}: {str(exc).splitlines()[0]}. Another "
             "rank died, hung, or never called auto_parallel."
         ) from exc
-
-
-def _devices_from_meta(gm: torch.fx.GraphModule, device: torch.device) -> None:
-    """An exported graph writes the device it was traced on into its ops (``arange(device=)``,
-    ``to(device=)``, metadata asserts): a meta model's graph runs on ``device`` instead."""
-    to_device = lambda v: device if isinstance(v, torch.device) and v.type == "meta" else v  # noqa: E731
-    for n in gm.graph.nodes:
-        n.args = tree_map(to_device, n.args)
-        n.kwargs = tree_map(to_device, n.kwargs)
-    gm.recompile()
-
-
-def _materialize_own_stages(model: torch.nn.Module, plan: Plan, world: int,
-                            init: Callable[[torch.nn.Module], None] | None, weights: str | os.PathLike[str] | None,
-                            seed: int) -> torch.device:
-    """Allocate and initialize (or load) the tensors of this rank's stages (in one process: every
-    stage's) in ``model``; returns the device they are on."""
-    if world > 1 and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    if world > 1:
-        rank = plan.layout.coordinates(dist.get_rank()).pipeline_rank
-        where = placement(plan_schedule(plan))
-        mine = [s for s in plan.stages if where[s.stage_index] == rank]
-    else:
-        mine = list(plan.stages)
-    paths = list(dict.fromkeys(name.rpartition(".")[0] for s in mine for name in s.parameter_names))
-    materialize_modules(model, paths, init, device, seed=seed, weights=weights)
-    return device
 
 
 auto_parallel.__doc__ = (auto_parallel.__doc__ or "") + _PLANNING_DOC
