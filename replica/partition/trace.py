@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import re
-import traceback
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import tree_leaves
 
 from replica.errors import ConfigError, TraceError
-from replica.partition.graph import INPUT, OP, OUTPUT, Graph, Node, ParameterInfo, TensorInfo
+from replica.partition.graph import INPUT, OP, OUTPUT, Graph, Node, ParameterInfo
 from replica.partition.export import DYNAMIC, ExportedInputs, export_graph_module
 from replica.partition.holding import hold_unused
 from replica.partition.inputs import InputSpec, normalize_inputs
 from replica.partition.modes import follow_mode
 from replica.partition.mutation import make_writes_explicit, view_writes
-from replica.partition.pure import untouched, written_parameters
+from replica.partition.pure import untouched
+from replica.partition.record import record, user_frame
 
 __all__ = ["Traced", "trace", "normalize_inputs"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_REPLICA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 # Ops that only re-label memory: they move no bytes worth pricing.
 _VIEW_OPS = frozenset(
@@ -83,18 +76,6 @@ class _Tracer(fx.Tracer):
             self.path.pop()
 
 
-def _user_frame(exc: BaseException) -> str:
-    """``file:line: code`` of the innermost frame outside torch and Replica."""
-    frames = [
-        f for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.startswith((_TORCH_DIR, _REPLICA_DIR)) and "<eval_with_key>" not in f.filename
-    ]
-    if not frames:
-        return "(no user frame in the traceback)"
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
-
-
 def _check_leaf_modules(model: torch.nn.Module, leaf_modules: Sequence[Any]) -> None:
     names = dict(model.named_modules())
     ids = {id(m) for m in names.values()}
@@ -132,7 +113,7 @@ def _fx_trace(model: torch.nn.Module, concrete: dict[str, Any], leaf_modules: Se
         leaf_hint = f"leaf_modules=[{cls}]" if path else "leaf_modules=[...] on the offending sub-module"
         raise TraceError(
             f"torch.fx could not trace {module}: {type(exc).__name__}: {exc}\n"
-            f"  at {_user_frame(exc)}\n"
+            f"  at {user_frame(exc)}\n"
             f"Fix: remove Python control flow on tensor values or shapes in that forward "
             f"(`if`, `assert`, `int(x)`, loops over a tensor; use torch.where / masks instead), "
             f"or keep that module whole by passing {leaf_hint} to auto_parallel / plan."
@@ -169,7 +150,7 @@ def _export_trace(model: torch.nn.Module, inputs: tuple[Any, ...], spec: InputSp
         first = f"torch.fx: {fx_error}\n" if fx_error is not None else ""
         raise TraceError(
             f"neither tracer could capture {type(model).__name__}.\n{first}torch.export: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}\n  at {_user_frame(exc)}\n"
+            f"{str(exc).splitlines()[0] if str(exc) else ''}\n  at {user_frame(exc)}\n"
             "Fix: remove control flow that depends on tensor values (torch.where / masks instead of `if`), "
             "or keep the offending sub-module whole with leaf_modules=[...] (fx keeps leaves opaque)."
         ) from exc
@@ -181,50 +162,12 @@ def _export_trace(model: torch.nn.Module, inputs: tuple[Any, ...], spec: InputSp
     return gm, out_spec, tuple(tree_leaves(inputs)), spec
 
 
-def _tensor_info(value: Any) -> tuple[TensorInfo, ...]:
-    return tuple(
-        TensorInfo(tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."))
-        for t in tree_leaves(value)
-        if isinstance(t, torch.Tensor)
-    )
-
-
 def _op_name(node: fx.Node, module: torch.nn.Module | None) -> str:
     if node.op == "call_module":
         return type(module).__name__.lower() if module is not None else str(node.target)
     if node.op == "call_method":
         return str(node.target)
     return getattr(node.target, "__name__", str(node.target)).lstrip("_")
-
-
-class _Recorder(fx.Interpreter):
-    """Runs the graph once (really, or on meta/fake tensors) and records shapes and FLOPs."""
-
-    def __init__(self, gm: fx.GraphModule, param_names: dict[int, str], on_meta: bool = False) -> None:
-        super().__init__(gm)
-        self.param_names = param_names
-        self.on_meta = on_meta  # constants (and any real tensor attribute) read as meta copies
-        self.outputs: dict[str, tuple[TensorInfo, ...]] = {}
-        self.flops: dict[str, float] = {}
-        self.kinds: dict[str, str] = {}
-
-    def fetch_attr(self, target: str) -> Any:
-        value = super().fetch_attr(target)
-        return _meta(value) if self.on_meta else value
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n.op in ("call_function", "call_method", "call_module"):
-            with FlopCounterMode(display=False) as counter:
-                result = super().run_node(n)
-            self.flops[n.name] = float(counter.get_total_flops())
-        else:
-            result = super().run_node(n)
-            self.flops[n.name] = 0.0
-        self.outputs[n.name] = _tensor_info(result)
-        self.kinds[n.name] = (
-            "tensor" if isinstance(result, torch.Tensor) else "container" if self.outputs[n.name] else "value"
-        )
-        return result
 
 
 def _named_tensors(model: torch.nn.Module) -> tuple[dict[int, str], dict[str, ParameterInfo]]:
@@ -259,89 +202,6 @@ def _resolve(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _fake_inputs(inputs: tuple[Any, ...], device: torch.device, mode: FakeTensorMode) -> tuple[Any, ...]:
-    with mode:
-        return tree_map(lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
-                        if isinstance(x, torch.Tensor) else x, inputs)
-
-
-def _meta(x: Any) -> Any:
-    """A meta tensor of ``x``'s shape, dtype and strides (``x`` itself when not a real tensor)."""
-    if not isinstance(x, torch.Tensor) or x.is_meta:
-        return x
-    out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, torch.nn.Parameter):
-        return torch.nn.Parameter(out, requires_grad=x.requires_grad)
-    return out.requires_grad_(x.requires_grad) if x.is_leaf and x.dtype.is_floating_point else out
-
-
-@contextlib.contextmanager
-def _on_meta(gm: fx.GraphModule) -> Iterator[None]:
-    """Swap every real parameter and buffer of ``gm`` for a meta copy (tied ones stay tied), restoring
-    them after: a model partly on meta (``deferred_init``'s real buffers, a rank's own stages
-    materialized) records shapes without mixing devices."""
-    real = {name: t for name, t in [*gm.named_parameters(remove_duplicate=False),
-                                    *gm.named_buffers(remove_duplicate=False)] if not t.is_meta}
-    if not real:
-        yield
-        return
-    copies: dict[int, torch.Tensor] = {}
-    swapped = {name: copies.setdefault(id(t), _meta(t)) for name, t in real.items()}
-    with _reparametrize_module(gm, swapped):
-        yield
-
-
-def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[int, str]) -> _Recorder:
-    """Propagate shapes on fake tensors: nothing is computed or allocated, whatever the
-    inputs and weights are (meta, fake or real). A graph that fake tensors cannot run (an
-    op without a fake kernel, a value read out of a tensor) runs once for real, without grad.
-
-    Real is the fallback, not the rule: a full-batch forward allocates every activation
-    once, and the allocator keeps the holes they leave among the set-up's long-lived
-    objects (tens of MiB of resident memory per rank that training never reuses). Either
-    way, the model is left as it was (buffers such as a BatchNorm's statistics, RNG, modes)."""
-    tensors = list(gm.parameters()) + list(gm.buffers())
-    device = tensors[0].device if tensors else (inputs[0].device if inputs else torch.device("cpu"))
-    if any(t.is_meta for t in tensors):  # a model (partly) on meta: shapes and dtypes on meta, all of them
-        device = torch.device("meta")
-    real = device.type != "meta" and not any(
-        x.device.type == "meta" or type(x).__name__ == "FakeTensor" for x in tree_leaves(inputs))
-    # a training-mode BatchNorm counts batches even on fake tensors (and, run for real,
-    # updates its statistics); recording a shape must not
-    with untouched(gm, written_parameters(gm)):
-        return _run_recorder(gm, inputs, names, device, real)
-
-
-def _run_recorder(gm: fx.GraphModule, inputs: tuple[Any, ...], names: dict[int, str], device: torch.device,
-                  real: bool) -> _Recorder:
-    try:
-        if device.type == "meta":  # every tensor on meta: real inputs, buffers and constants too
-            recorder = _Recorder(gm, names, on_meta=True)
-            with _on_meta(gm):
-                recorder.run(*tree_map(_meta, inputs))
-            return recorder
-        try:
-            recorder = _Recorder(gm, names)
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            args = _fake_inputs(inputs, device, mode)
-            with mode, torch.no_grad():
-                recorder.run(*args)
-            return recorder
-        except Exception:
-            if not real:
-                raise
-        recorder = _Recorder(gm, names)
-        with torch.no_grad():
-            recorder.run(*inputs)
-        return recorder
-    except Exception as exc:
-        raise TraceError(
-            f"Running the traced graph of {gm.__class__.__name__} on the example inputs failed: "
-            f"{type(exc).__name__}: {exc}\n  at {_user_frame(exc)}\n"
-            "Fix: check that example_inputs have the shapes and dtypes model.forward expects."
-        ) from exc
 
 
 def trace(
@@ -403,7 +263,7 @@ def _trace(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str
     hold_unused(gm, model)
     follow_mode(gm)  # dropout obeys model.train() / .eval() after tracing, per module
     names, infos = _named_tensors(model)
-    recorder = _record(gm, inputs, names)
+    recorder = record(gm, inputs, names)
     pinned = view_writes(gm)
 
     def owned(obj: Any, prefix: str) -> tuple[list[str], list[str]]:
