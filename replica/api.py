@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from replica.errors import ConfigError, PipelineError
+from replica.materialize import check_initializable
 from replica.meta import materialize_own_stages, ready_for_runtime
 from replica.partition.plan import Plan
 from replica.partition.trace import trace
@@ -205,6 +206,8 @@ def auto_parallel(
         )
     if init is not None and not callable(init):
         raise ConfigError(f"init must be callable(module) -> None, applied to each module, got {type(init).__name__}")
+    if on_meta and init is None and weights is None:
+        check_initializable(model)  # before planning, not after
     # the same draw on every rank (rank 0's reaches the others with the plan): the weights are
     # those replica.materialize gives under the same torch.manual_seed, whatever the layout
     seed = int(torch.randint(2**62, ()).item()) if on_meta else None

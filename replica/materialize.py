@@ -274,6 +274,14 @@ def _initialize(
                 t.copy_(saved)
 
 
+def check_initializable(model: nn.Module) -> None:
+    """Raise before any work if ``init=None`` could not initialize ``model``: a module that
+    owns meta parameters but has no ``reset_parameters()``."""
+    path_of = {id(m): p for p, m in model.named_modules()}
+    _require_reset_parameters([m for m in model.modules() if any(t.is_meta for t in m._parameters.values()
+                                                                   if t is not None)], path_of)
+
+
 def _require_reset_parameters(modules: Iterable[nn.Module], path_of: dict[int, str]) -> None:
     missing = [
         f"{path_of[id(m)] or '<root>'} ({type(m).__name__})"

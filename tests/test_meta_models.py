@@ -158,3 +158,21 @@ def test_nccl_lets_a_meta_model_through(monkeypatch) -> None:
     agree.use_the_model_device(build("deferred"))  # real buffers, parameters on meta
     with pytest.raises(ConfigError, match="NCCL"):
         agree.use_the_model_device(models.TinyGPT())
+
+
+def test_a_module_init_cannot_reach_is_named_before_planning(monkeypatch) -> None:
+    """init=None needs each parameter-owning module's reset_parameters(): one without it is named,
+    with the fix, before any tracing or planning."""
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.gain
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16), Scale(), nn.Linear(16, 4))
+    monkeypatch.setattr(replica.api, "trace", lambda *a, **k: pytest.fail("traced before the check"))
+    with pytest.raises(ConfigError, match=r"1 module\(s\) own parameters without one: 1 \(Scale\).*init="):
+        replica.auto_parallel(model, (torch.randn(8, 16),), num_stages=2)
