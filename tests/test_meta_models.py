@@ -176,3 +176,34 @@ def test_a_module_init_cannot_reach_is_named_before_planning(monkeypatch) -> Non
     monkeypatch.setattr(replica.api, "trace", lambda *a, **k: pytest.fail("traced before the check"))
     with pytest.raises(ConfigError, match=r"1 module\(s\) own parameters without one: 1 \(Scale\).*init="):
         replica.auto_parallel(model, (torch.randn(8, 16),), num_stages=2)
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_hugging_face_llama_on_meta_initializes_like_materialize(num_stages: int) -> None:
+    """A Llama built on meta with init=its own _init_weights (which recomputes rotary inv_freq):
+    the pipeline's weights are replica.materialize's under the same seed, bit for bit, and so
+    are the gradients of one step."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=32,
+                                   attn_implementation="eager")
+    ids, target = torch.randint(0, 128, (4, 16)), torch.randint(0, 128, (4, 16))
+
+    def loss_fn(out, y):
+        return models.lm_loss(out.logits, y)
+
+    def built() -> nn.Module:
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(cfg)
+
+    torch.manual_seed(SEED)
+    ref = built()
+    replica.materialize(ref, init=ref._init_weights)
+    ref_loss = loss_fn(ref(ids, use_cache=False), target)
+    ref_loss.backward()
+    torch.manual_seed(SEED)
+    model = built()
+    pm = replica.auto_parallel(model, (ids,), example_kwargs={"use_cache": False}, num_stages=num_stages,
+                               num_microbatches=2, init=model._init_weights, loss_fn=loss_fn)
+    torch.testing.assert_close(pm.train_step(ids, target), ref_loss.detach())
+    assert_same(pm, ref)
