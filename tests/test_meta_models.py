@@ -207,3 +207,23 @@ def test_hugging_face_llama_on_meta_initializes_like_materialize(num_stages: int
                                num_microbatches=2, init=model._init_weights, loss_fn=loss_fn)
     torch.testing.assert_close(pm.train_step(ids, target), ref_loss.detach())
     assert_same(pm, ref)
+
+
+@pytest.mark.parametrize("schedule, num_stages", [("1f1b", 2), ("zb-v", 4), ("interleaved", 4)])
+def test_a_unet_with_long_skips_on_meta(schedule: str, num_stages: int) -> None:
+    """Convolutions and group norms (each with reset_parameters), skips across the whole net, and
+    layouts with two stages a rank: materialize's weights and the plain model's gradients."""
+    case = models.unet(8)
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        ref = models.UNet()
+    replica.materialize(ref)
+    ref_loss = case.loss_fn(ref(*case.example_inputs), case.target)
+    ref_loss.backward()
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        model = models.UNet()
+    pm = replica.auto_parallel(model, case.example_inputs, num_stages=num_stages, num_microbatches=4,
+                               schedule=schedule, loss_fn=case.loss_fn)
+    torch.testing.assert_close(pm.train_step(case.example_inputs, case.target), ref_loss.detach())
+    assert_same(pm, ref)
