@@ -227,3 +227,20 @@ def test_a_unet_with_long_skips_on_meta(schedule: str, num_stages: int) -> None:
                                schedule=schedule, loss_fn=case.loss_fn)
     torch.testing.assert_close(pm.train_step(case.example_inputs, case.target), ref_loss.detach())
     assert_same(pm, ref)
+
+
+def test_a_replica_checkpoint_loads_into_a_meta_model(tmp_path) -> None:
+    """weights= a Replica checkpoint directory (written by the Trainer on 2 stages) gives the
+    newest step's weights, as load_into_plain_model does, here on 3 stages."""
+    from tests.train_cases import IMAGE_SIZE, run, small_cnn
+
+    run(tmp_path, stop_at=5, num_stages=2)
+    want = replica.load_into_plain_model(tmp_path, small_cnn()).state_dict()
+    with torch.device("meta"):
+        model = small_cnn()
+    pm = replica.auto_parallel(model, (torch.randn(8, 3, IMAGE_SIZE, IMAGE_SIZE),), num_stages=3,
+                               weights=tmp_path, loss_fn=torch.nn.functional.cross_entropy)
+    got = pm.state_dict()
+    assert got.keys() == want.keys()
+    for name, t in got.items():
+        torch.testing.assert_close(t, want[name], rtol=0, atol=0, msg=name)
