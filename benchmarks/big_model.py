@@ -98,20 +98,22 @@ def rank_job(rank: int, world: int, n_layer: int, n_embd: int, vocab: int, steps
     real = {id(p): p.numel() * p.element_size() for p in pm.parameters() if not p.is_meta}
     held = sum(real.values())
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4, weight_decay=0.1)
-    times, losses = [], []
+    times, losses, phases = [], [], []
     for _ in range(steps):
         start = time.perf_counter()
         pm.zero_grad()
         loss = pm.train_step(x, y)
+        after_backward = (rss_now(), peak_rss())
         optimizer.step()
         times.append(time.perf_counter() - start)
+        phases.append((*after_backward, rss_now(), peak_rss()))  # RSS, peak: after backward, after AdamW
         losses.append(float(loss) if loss is not None else None)
     stages = [pm.plan.stages[k] for k in mine]
     memory = {f: sum(getattr(s.memory, f) for s in stages) for f in ("parameters", "gradients", "optimizer",
                                                                       "activations")}
     return dict(rank=rank, stages=mine, baseline=baseline, peak_before=peak_before, after_setup=after_setup,
                 peak=peak_rss(), predicted=sum(s.predicted_memory_bytes for s in stages), memory=memory,
-                held=held, whole=whole, times=times, losses=losses, setup_s=setup_s,
+                held=held, whole=whole, times=times, phases=phases, losses=losses, setup_s=setup_s,
                 summary=pm.plan.summary() if rank == 0 else "")
 
 
@@ -135,7 +137,7 @@ def main() -> None:
     assert results[0]["whole"] == 4 * n, (results[0]["whole"], 4 * n)
     print(f"\n{STAGES} gloo ranks x 1 thread, batch {BATCH}x{SEQ}, {MICROBATCHES} micro-batches, 1F1B, AdamW, "
           f"{args.steps} steps, keep_freed_memory={args.keep_freed_memory}; MiB")
-    print("losses (last stage):", [r["losses"] for r in results if r["losses"] and r["losses"][0] is not None][:1])
+    print("losses:", [r["losses"] for r in results if r["losses"] and r["losses"][0] is not None][:1])
     head = (f"{'rank':>4} {'stages':>6} {'baseline':>9} {'peak':>7} {'growth':>7} {'pred.':>7} {'of which W+G+Adam':>18} "
             f"{'act.':>6} {'pred./growth':>12} {'peak limit':>10} {'peak/limit':>10} {'real params':>11} "
             f"{'of whole':>8} {'setup s':>8} {'step s':>7}")
@@ -153,6 +155,11 @@ def main() -> None:
     print("step times (s) per rank:", [[round(t, 2) for t in r["times"]] for r in results])
     print("RSS after auto_parallel (MiB):", [round(r["after_setup"] / MiB) for r in results],
           "; peak before it:", [round(r["peak_before"] / MiB) for r in results])
+    print("per step, MiB above baseline: RSS after backward / peak so far | after AdamW / peak so far:")
+    for r in results:
+        print(f"  rank {r['rank']}: " + "; ".join(" / ".join(f"{(v - r['baseline']) / MiB:.0f}" for v in ph[:2]) + " | "
+                                                + " / ".join(f"{(v - r['baseline']) / MiB:.0f}" for v in ph[2:])
+                                                for ph in r["phases"]))
     total_peak = sum(r["peak"] for r in results)
     print(f"sum of peaks {total_peak / MiB:.0f} MiB; whole model's training state {16 * n / MiB:.0f} MiB")
     for r in results:
