@@ -21,6 +21,7 @@ Usage: ``python benchmarks/big_model.py [--n-layer 24] [--n-embd 1152] [--vocab 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import resource
 import statistics
@@ -108,12 +109,22 @@ def rank_job(rank: int, world: int, n_layer: int, n_embd: int, vocab: int, steps
         times.append(time.perf_counter() - start)
         phases.append((*after_backward, rss_now(), peak_rss()))  # RSS, peak: after backward, after AdamW
         losses.append(float(loss) if loss is not None else None)
+    # what the rank's tensors hold after training (weights, gradients, AdamW's moments, each
+    # storage once) against RSS, before and after glibc hands free heap pages back (malloc_trim)
+    storages = {}
+    for p in pm.parameters():
+        for t in (p, p.grad, *optimizer.state.get(p, {}).values()):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    live, rss_end = sum(storages.values()), rss_now()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trimmed = rss_now()
     stages = [pm.plan.stages[k] for k in mine]
     memory = {f: sum(getattr(s.memory, f) for s in stages) for f in ("parameters", "gradients", "optimizer",
                                                                       "activations")}
     return dict(rank=rank, stages=mine, baseline=baseline, peak_before=peak_before, after_setup=after_setup,
                 peak=peak_rss(), predicted=sum(s.predicted_memory_bytes for s in stages), memory=memory,
-                held=held, whole=whole, times=times, phases=phases, losses=losses, setup_s=setup_s,
+                held=held, whole=whole, times=times, phases=phases, live=live, rss_end=rss_end, trimmed=trimmed, losses=losses, setup_s=setup_s,
                 summary=pm.plan.summary() if rank == 0 else "")
 
 
@@ -160,6 +171,9 @@ def main() -> None:
         print(f"  rank {r['rank']}: " + "; ".join(" / ".join(f"{(v - r['baseline']) / MiB:.0f}" for v in ph[:2]) + " | "
                                                 + " / ".join(f"{(v - r['baseline']) / MiB:.0f}" for v in ph[2:])
                                                 for ph in r["phases"]))
+    print("after the last step, MiB above baseline: tensors held (weights, grads, AdamW) / RSS / RSS after malloc_trim: "
+          + "; ".join(f"rank {r['rank']} {r['live'] / MiB:.0f} / {(r['rss_end'] - r['baseline']) / MiB:.0f} / "
+                      f"{(r['trimmed'] - r['baseline']) / MiB:.0f}" for r in results))
     total_peak = sum(r["peak"] for r in results)
     print(f"sum of peaks {total_peak / MiB:.0f} MiB; whole model's training state {16 * n / MiB:.0f} MiB")
     for r in results:
