@@ -124,7 +124,8 @@ def rank_job(rank: int, world: int, n_layer: int, n_embd: int, vocab: int, steps
                                                                       "activations")}
     return dict(rank=rank, stages=mine, baseline=baseline, peak_before=peak_before, after_setup=after_setup,
                 peak=peak_rss(), predicted=sum(s.predicted_memory_bytes for s in stages), memory=memory,
-                held=held, whole=whole, times=times, phases=phases, live=live, rss_end=rss_end, trimmed=trimmed, losses=losses, setup_s=setup_s,
+                held=held, whole=whole, times=times, phases=phases, live=live, rss_end=rss_end, trimmed=trimmed,
+                losses=losses, setup_s=setup_s,
                 summary=pm.plan.summary() if rank == 0 else "")
 
 
@@ -139,7 +140,8 @@ def main() -> None:
     args = parser.parse_args()
     cfg = config(args.n_layer, args.n_embd, args.vocab)
     n = num_parameters(cfg)
-    print(f"GPT {cfg.n_layer} layers d={cfg.n_embd} heads {cfg.n_head} vocab {cfg.vocab_size} block {cfg.block_size}: "
+    print(f"GPT {cfg.n_layer} layers d={cfg.n_embd} heads {cfg.n_head} vocab {cfg.vocab_size} "
+          f"block {cfg.block_size}: "
           f"{n:,} parameters; fp32 weights {4 * n / 1e9:.2f} GB, training state (x16) {16 * n / 1e9:.2f} GB "
           f"({16 * n / 2**30:.2f} GiB)")
     results = run_local(rank_job, STAGES, args.n_layer, args.n_embd, args.vocab, args.steps, timeout_s=3000,
@@ -149,8 +151,9 @@ def main() -> None:
     print(f"\n{STAGES} gloo ranks x 1 thread, batch {BATCH}x{SEQ}, {MICROBATCHES} micro-batches, 1F1B, AdamW, "
           f"{args.steps} steps, keep_freed_memory={args.keep_freed_memory}; MiB")
     print("losses:", [r["losses"] for r in results if r["losses"] and r["losses"][0] is not None][:1])
-    head = (f"{'rank':>4} {'stages':>6} {'baseline':>9} {'peak':>7} {'growth':>7} {'pred.':>7} {'of which W+G+Adam':>18} "
-            f"{'act.':>6} {'pred./growth':>12} {'peak limit':>10} {'peak/limit':>10} {'real params':>11} "
+    head = (f"{'rank':>4} {'stages':>6} {'baseline':>9} {'peak':>7} {'growth':>7} {'pred.':>7} "
+            f"{'of which W+G+Adam':>18} {'act.':>6} {'pred./growth':>12} {'peak limit':>10} {'peak/limit':>10} "
+            f"{'real params':>11} "
             f"{'of whole':>8} {'setup s':>8} {'step s':>7}")
     print(head)
     for r in results:
@@ -158,8 +161,8 @@ def main() -> None:
         limit = 1.2 * r["predicted"] + 300 * MiB
         state = r["memory"]["parameters"] + r["memory"]["gradients"] + r["memory"]["optimizer"]
         step = statistics.median(r["times"][1:] or r["times"])
-        print(f"{r['rank']:>4} {','.join(map(str, r['stages'])):>6} {r['baseline'] / MiB:>9.0f} {r['peak'] / MiB:>7.0f} "
-              f"{growth / MiB:>7.0f} {r['predicted'] / MiB:>7.0f} {state / MiB:>18.0f} "
+        print(f"{r['rank']:>4} {','.join(map(str, r['stages'])):>6} {r['baseline'] / MiB:>9.0f} "
+              f"{r['peak'] / MiB:>7.0f} {growth / MiB:>7.0f} {r['predicted'] / MiB:>7.0f} {state / MiB:>18.0f} "
               f"{r['memory']['activations'] / MiB:>6.0f} {r['predicted'] / growth:>12.2f} {limit / MiB:>10.0f} "
               f"{r['peak'] / limit:>10.2f} {r['held'] / MiB:>11.0f} {r['held'] / r['whole']:>8.1%} "
               f"{r['setup_s']:>8.1f} {step:>7.2f}")
@@ -168,10 +171,10 @@ def main() -> None:
           "; peak before it:", [round(r["peak_before"] / MiB) for r in results])
     print("per step, MiB above baseline: RSS after backward / peak so far | after AdamW / peak so far:")
     for r in results:
-        print(f"  rank {r['rank']}: " + "; ".join(" / ".join(f"{(v - r['baseline']) / MiB:.0f}" for v in ph[:2]) + " | "
-                                                + " / ".join(f"{(v - r['baseline']) / MiB:.0f}" for v in ph[2:])
-                                                for ph in r["phases"]))
-    print("after the last step, MiB above baseline: tensors held (weights, grads, AdamW) / RSS / RSS after malloc_trim: "
+        above = [[f"{(v - r['baseline']) / MiB:.0f}" for v in ph] for ph in r["phases"]]
+        print(f"  rank {r['rank']}: " + "; ".join(" / ".join(a[:2]) + " | " + " / ".join(a[2:]) for a in above))
+    print("after the last step, MiB above baseline: tensors held (weights, grads, AdamW) / RSS / "
+          "RSS after malloc_trim: "
           + "; ".join(f"rank {r['rank']} {r['live'] / MiB:.0f} / {(r['rss_end'] - r['baseline']) / MiB:.0f} / "
                       f"{(r['trimmed'] - r['baseline']) / MiB:.0f}" for r in results))
     total_peak = sum(r["peak"] for r in results)
