@@ -218,17 +218,21 @@ class PipelineModel:
         n_target = microbatch.batch_size([target], "target")
         if n_in != n_target:
             raise ConfigError(f"inputs have a batch of {n_in} samples but target has {n_target}; they must match")
-        d = self.data_parallel_size
-        # this replica's part of the step's loss: its samples' share of a mean (each replica's
-        # batch counted alike when fed per rank), its own sum of a sum
-        part = 1.0 / d if self.loss_reduction == "mean" else 1.0
+        # The replicas' gradients are averaged, so each replica's loss is scaled to d times its
+        # part of the step's loss: a sum's part is its own sum (d); a mean's part is its slice's
+        # share of the batch (d · n_r / n), or 1/d of it when each replica is fed its own batch (1).
+        d, scale = self.data_parallel_size, float(self.data_parallel_size)
         if self.batch == "global" and d > 1:  # this replica's slice of the batch
             args, target = self.replica_slice(args), self.replica_slice(target, "target")
-            part = microbatch.batch_size(args) / n_in if self.loss_reduction == "mean" else 1.0
+            if self.loss_reduction == "mean":
+                scale = d * microbatch.batch_size(args) / n_in
+        elif self.loss_reduction == "mean":
+            scale = 1.0
         mbs = self._microbatches(args)
         targets = [t[0] for t in self._microbatches((target,), "target")]
-        # the replicas' gradients are averaged: each replica's loss counts d times its part
-        weights = [w * d * part for w in microbatch.loss_weights(mbs, self.loss_reduction)]
+        weights = microbatch.loss_weights(mbs, self.loss_reduction)
+        if scale != 1.0:
+            weights = [w * scale for w in weights]
         self._check_mode()
         return mbs, targets, self.loss_fn, weights
 
