@@ -17,6 +17,7 @@ from replica.partition.plan import Plan
 from replica.pipeline.heap import keep_freed_memory
 from replica.planner.options import PlannerOptions
 from replica.train.checkpoint import CheckpointError, load_into_plain_model
+from replica.train.export import export_safetensors
 from replica.train.trainer import Trainer, get_trainer
 from replica.viz.report import visualize
 
@@ -30,6 +31,7 @@ __all__ = [
     "Trainer",
     "defaults",
     "load_into_plain_model",
+    "export_safetensors",
     "CheckpointError",
     "Plan",
     "Layout",

@@ -1,4 +1,4 @@
-"""The ``replica`` command: plan a model from the shell."""
+"""The ``replica`` command: plan a model, or export a checkpoint's weights, from the shell."""
 
 from __future__ import annotations
 
@@ -55,6 +55,16 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from replica.train.export import export_safetensors
+
+    written = export_safetensors(args.checkpoint, args.out_dir, max_shard_bytes=args.max_shard_size,
+                                 overwrite=args.overwrite)
+    print(f"weights written to {written}; add the model's config (config.save_pretrained({str(args.out_dir)!r})) "
+          "to load it with from_pretrained")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="replica", description="Automatic pipeline parallelism for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", help="also write the plan as JSON here")
     p.add_argument("--html", help="also write the plan report (one self-contained HTML file) here")
     p.set_defaults(run=_plan)
+    e = commands.add_parser("export", help="write a checkpoint's weights as a Hugging Face model.safetensors")
+    e.add_argument("checkpoint", help="a checkpoint_dir (its newest good step) or one step-XXXXXXXX directory")
+    e.add_argument("out_dir", help="the directory to write model.safetensors (or shards and their index) into")
+    e.add_argument("--max-shard-size", help="split into shards of at most this size: bytes, or e.g. 5GB, 500MiB")
+    e.add_argument("--overwrite", action="store_true", help="replace weights out_dir already holds")
+    e.set_defaults(run=_export)
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))

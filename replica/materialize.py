@@ -74,7 +74,7 @@ def materialize(
             f"`with replica.deferred_init():`, or drop the materialize call"
         )
     if seed is None:
-        seed = int(torch.randint(2**62, ()).item())
+        seed = int(torch.randint(2**62, (), device="cpu").item())
     materialize_modules(model, paths, init, device, seed=seed, weights=weights)
     return model
 

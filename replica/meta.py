@@ -16,7 +16,7 @@ from replica.partition.plan import Plan
 from replica.partition.trace import Traced
 from replica.pipeline.schedule import placement, plan_schedule
 
-__all__ = ["materialize_own_stages", "ready_for_runtime"]
+__all__ = ["materialize_own_stages", "ready_for_runtime", "stage_device"]
 
 
 def _devices_from_meta(gm: torch.fx.GraphModule, device: torch.device) -> None:
@@ -29,15 +29,21 @@ def _devices_from_meta(gm: torch.fx.GraphModule, device: torch.device) -> None:
     gm.recompile()
 
 
+def stage_device(world: int) -> torch.device:
+    """Where a rank materializes its stages of a meta model: under NCCL its current GPU
+    (``torch.cuda.set_device(LOCAL_RANK)`` first), else (gloo, one process) the CPU. The
+    Trainer asks before building, to move its batches there."""
+    if world > 1 and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def materialize_own_stages(model: torch.nn.Module, plan: Plan, world: int,
                             init: Callable[[torch.nn.Module], None] | None, weights: str | os.PathLike[str] | None,
                             seed: int) -> torch.device:
     """Allocate and initialize (or load) the tensors of this rank's stages (in one process: every
     stage's) in ``model``; returns the device they are on."""
-    if world > 1 and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = stage_device(world)
     if world > 1:
         rank = plan.layout.coordinates(dist.get_rank()).pipeline_rank
         where = placement(plan_schedule(plan))

@@ -1,4 +1,5 @@
-"""Reading the weights a rank holds, by name, from safetensors files, HF directories or Replica checkpoints."""
+"""Reading the weights a rank holds, by name, from safetensors files, HF directories or Replica checkpoints;
+and writing safetensors files tensor by tensor (:func:`write_safetensors`, for checkpoint export)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import difflib
 import json
 import os
 import re
+import struct
+import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -17,7 +20,7 @@ from safetensors import safe_open
 from replica.errors import ConfigError, ReplicaError
 from replica.train import checkpoint as ckpt
 
-__all__ = ["WeightsError", "read_weights", "wanted_from"]
+__all__ = ["WeightsError", "read_weights", "wanted_from", "write_safetensors"]
 
 Wanted = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -26,6 +29,7 @@ _SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in {
     "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64",
     "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool", "C64": "complex64"}.items()
     if hasattr(torch, name)}
+_SAFETENSORS_CODES = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
 _LISTED = 10  # names shown per kind of problem
 _STEP = re.compile(r"^step-\d{8,}$")  # as replica.train.checkpoint names them
 
@@ -249,3 +253,46 @@ def read_weights(path: str | os.PathLike[str], wanted: Wanted, *, aliases: Mappi
                 read[key, dtype] = source.read(key).to(device=device, dtype=dtype, copy=True)
             out[name] = read[key, dtype]
         return out
+
+
+def write_safetensors(file: str | os.PathLike[str], tensors: Sequence[tuple[str, torch.Tensor]],
+                      metadata: Mapping[str, str] | None = None) -> int:
+    """Write ``tensors`` (name, tensor) to ``file`` in the safetensors format, one tensor at a time;
+    returns the bytes of tensor data written.
+
+    ``safetensors.torch.save_file`` first copies every tensor of the file into bytes objects, so
+    it holds a whole file in memory: exporting a model larger than memory needs this instead. The
+    header is the format's own (8-byte little-endian length, JSON with dtype, shape and offsets,
+    padded to 8 bytes); each tensor's bytes are copied from its (memory-mapped) storage as written.
+    The file is opened with ``safetensors.safe_open`` after, which checks the header.
+    Shared storage is written once per name: the caller drops tied duplicates.
+    """
+    if sys.byteorder != "little":  # the format is little-endian; tensors are written as they lie in memory
+        raise WeightsError("write_safetensors writes tensors as they lie in memory, which is only the safetensors "
+                           "layout on a little-endian machine; export on an x86 or ARM host")
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, t in tensors:
+        if name in header:
+            raise WeightsError(f"write_safetensors: {name!r} is given twice; each name once")
+        code = _SAFETENSORS_CODES.get(t.dtype)
+        if code is None or t.layout != torch.strided or t.is_meta:
+            raise WeightsError(f"{name} is a {t.layout} {t.dtype} tensor on {t.device}, which safetensors cannot "
+                               f"store; it stores dense tensors of {sorted(map(str, _SAFETENSORS_CODES))}")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, t in tensors:
+            if t.numel():
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    with safe_open(str(file), framework="pt") as check:  # the header parses and covers every byte
+        if len(check.keys()) != len(tensors):
+            raise WeightsError(f"{file} holds {len(check.keys())} tensors after writing {len(tensors)}")
+    return offset

@@ -5,6 +5,7 @@ the same seed, and trained with the plain model's gradients."""
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -244,3 +245,261 @@ def test_a_replica_checkpoint_loads_into_a_meta_model(tmp_path) -> None:
     assert got.keys() == want.keys()
     for name, t in got.items():
         torch.testing.assert_close(t, want[name], rtol=0, atol=0, msg=name)
+
+
+# --------------------------------------------------------------------------- the Trainer, checkpoints, export
+
+
+def meta_trainer(directory, *, seed: int, stop_at: int | None = None, epochs: int = 2, **config):
+    """The small CNN built on meta, trained through get_trainer on 2 stages (3 steps an epoch; with
+    a directory, a checkpoint every 2 steps); with ``stop_at`` the run dies after that step."""
+    from replica.defaults import default_config
+    from tests.train_cases import DATA, Stop, small_cnn
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = small_cnn()
+    config.setdefault("num_stages", 2)
+    trainer = replica.get_trainer(
+        config=default_config(batch_size=32, progress=False, checkpoint_dir=directory,
+                              checkpoint_every_steps=2 if directory is not None else None, **config),
+        model=model, loss=nn.CrossEntropyLoss(), optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
+
+    def die(t) -> None:
+        if t.step == stop_at:
+            raise Stop
+
+    try:
+        trainer.train_dataset(*DATA, epochs=epochs, on_step_end=die)
+    except Stop:
+        pass
+    return trainer
+
+
+def spy_on_builds(monkeypatch) -> list[tuple[object, dict[str, torch.Tensor]]]:
+    """(weights=, the pipeline's parameters as built) for each auto_parallel the Trainer calls."""
+    from replica.train import trainer as trainer_module
+
+    built, real = [], trainer_module.auto_parallel
+
+    def spy(*args, **kwargs):
+        pm = real(*args, **kwargs)
+        built.append((kwargs.get("weights"), {n: p.detach().clone() for n, p in pm.named_parameters()}))
+        return pm
+
+    monkeypatch.setattr(trainer_module, "auto_parallel", spy)
+    return built
+
+
+def test_a_trainer_trains_a_meta_model_and_resumes_it_from_its_own_checkpoint(tmp_path, monkeypatch) -> None:
+    """From init, the Trainer's meta model holds materialize's weights; a fresh meta model resumed from
+    the checkpoint is materialized from it (weights= the step, no init), then ends as the
+    uninterrupted run, bit for bit."""
+    from replica.train import checkpoint as ckpt
+    from tests.train_cases import small_cnn
+
+    built = spy_on_builds(monkeypatch)
+    full = meta_trainer(None, seed=0)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = small_cnn()
+    want = replica.materialize(model)
+    assert built[0][0] is None
+    for name, p in want.named_parameters():
+        torch.testing.assert_close(built[0][1][name], p.detach(), rtol=0, atol=0, msg=name)
+
+    meta_trainer(tmp_path, seed=0, stop_at=3)  # saved step 2, died after step 3
+    resumed = meta_trainer(tmp_path, seed=1)  # another seed: every weight must come from the checkpoint
+    assert resumed.resumed_from.name == "step-00000002" and resumed.step == full.step == 6
+    weights, first = built[-1]
+    assert weights == resumed.resumed_from
+    saved = ckpt.load_model_state(resumed.resumed_from)
+    for name, t in first.items():
+        torch.testing.assert_close(t, saved[name], rtol=0, atol=0, msg=name)
+    got, end = dict(resumed.pipeline.named_parameters()), dict(full.pipeline.named_parameters())
+    assert got.keys() == end.keys()
+    for name, p in end.items():
+        torch.testing.assert_close(got[name], p, rtol=0, atol=0, msg=name)
+
+
+def test_a_meta_trainer_refuses_real_models_with_init_and_devices_it_cannot_use() -> None:
+    from tests.train_cases import small_cnn
+
+    model = small_cnn()
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(ConfigError, match="init= initialize or load a model built on meta"):
+        replica.get_trainer(model=model, loss=nn.CrossEntropyLoss(), optimizer=opt, init=lambda m: None)
+    with pytest.raises(ConfigError, match="init must be callable"):
+        replica.get_trainer(model=model, loss=nn.CrossEntropyLoss(), optimizer=opt, init="normal")
+    with pytest.raises(ConfigError, match=r"config.device='cuda:1'.*materialized .* cpu .*Leave config.device None"):
+        meta_trainer(None, seed=0, device="cuda:1")
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory):
+    """A tiny HF GPT-2 (tied embedding and head) trained 2 steps through the Trainer on 2 stages:
+    (checkpoint_dir, config, the pipeline's state_dict, token ids, its logits on them)."""
+    transformers = pytest.importorskip("transformers")
+    from replica.defaults import default_config
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (8, 16))
+
+    def next_token_loss(out, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
+
+    directory = tmp_path_factory.mktemp("gpt2-checkpoints")
+    trainer = replica.get_trainer(
+        config=default_config(batch_size=4, num_stages=2, num_microbatches=2, progress=False, checkpoint_dir=directory),
+        model=model, loss=next_token_loss, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
+    trainer.train_dataset({"input_ids": ids}, ids, epochs=1)
+    with torch.no_grad():
+        logits = trainer.predict({"input_ids": ids}).logits
+    state = {k: v.detach().clone() for k, v in trainer.pipeline.state_dict().items()}
+    return directory, cfg, state, ids, logits
+
+
+def from_pretrained(directory, cfg):
+    import transformers
+
+    cfg.save_pretrained(directory)
+    model, info = transformers.GPT2LMHeadModel.from_pretrained(directory, output_loading_info=True)
+    assert not any(info.values()), info  # nothing missing, unexpected or mis-shaped
+    return model
+
+
+def assert_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_an_exported_checkpoint_loads_with_from_pretrained(gpt2_checkpoint, tmp_path) -> None:
+    """model.safetensors with the original names, the tied head left out as save_pretrained does:
+    from_pretrained gives the pipeline's weights and logits."""
+    from safetensors import safe_open
+
+    from replica.train import checkpoint as ckpt
+
+    directory, cfg, state, ids, logits = gpt2_checkpoint
+    assert ckpt.read_manifest(directory / "step-00000002")["tied_parameters"] == {
+        "transformer.wte.weight": ["lm_head.weight"]}
+    written = replica.export_safetensors(directory, tmp_path)
+    assert written == tmp_path / "model.safetensors"
+    with safe_open(str(written), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys() and "transformer.wte.weight" in f.keys()
+        assert f.metadata() == {"format": "pt"}
+    model = from_pretrained(tmp_path, cfg)
+    assert_state(model.state_dict(), state)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sharded_export_loads_with_from_pretrained_and_into_a_meta_model(gpt2_checkpoint, tmp_path) -> None:
+    import json
+
+    import transformers
+
+    directory, cfg, state, ids, _ = gpt2_checkpoint
+    written = replica.export_safetensors(directory / "step-00000002", tmp_path, max_shard_bytes="20KB")
+    index = json.loads(written.read_text())
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert written.name == "model.safetensors.index.json" and len(shards) > 2
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert index["metadata"]["total_size"] == sum(t.nbytes for k, t in state.items() if k != "lm_head.weight")
+    assert_state(from_pretrained(tmp_path, cfg).state_dict(), state)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    pm = replica.auto_parallel(model, (ids,), num_stages=2, num_microbatches=2, weights=tmp_path)
+    assert_state(pm.state_dict(), state)
+
+
+def test_the_export_command_and_overwrite(gpt2_checkpoint, tmp_path, capsys) -> None:
+    """`replica export CHECKPOINT OUT_DIR` refuses to replace weights without --overwrite; with it,
+    a sharded export's files give way to one model.safetensors."""
+    from replica.cli import main
+
+    directory, cfg, state, _, _ = gpt2_checkpoint
+    assert main(["export", str(directory), str(tmp_path), "--max-shard-size", "20000"]) == 0
+    assert main(["export", str(directory), str(tmp_path)]) == 2
+    assert "already holds model weights" in capsys.readouterr().err
+    assert main(["export", str(directory), str(tmp_path), "--overwrite"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert_state(from_pretrained(tmp_path, cfg).state_dict(), state)
+
+
+def test_export_errors_name_the_problem_and_the_fix(gpt2_checkpoint, tmp_path) -> None:
+    from replica.train.checkpoint import CheckpointError
+
+    directory, *_ = gpt2_checkpoint
+    with pytest.raises(CheckpointError, match="does not exist; pass a checkpoint_dir"):
+        replica.export_safetensors(tmp_path / "nowhere", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint in .*empty \(0 step-XXXXXXXX"):
+        replica.export_safetensors(tmp_path / "empty", tmp_path / "out")
+    hf = tmp_path / "hf"
+    replica.export_safetensors(directory, hf)
+    with pytest.raises(CheckpointError, match="already is a Hugging Face directory"):
+        replica.export_safetensors(hf, tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"already holds model weights \(model.safetensors\); pass overwrite=True"):
+        replica.export_safetensors(directory, hf)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file; pass a directory"):
+        replica.export_safetensors(directory, tmp_path / "file")
+    for bad in (0, -5, "5XB", 1.5, True):
+        with pytest.raises(ConfigError, match="max_shard_bytes must be a positive number of bytes"):
+            replica.export_safetensors(directory, tmp_path / "out", max_shard_bytes=bad)
+    broken = tmp_path / "broken"
+    shutil.copytree(directory / "step-00000002", broken / "step-00000002")
+    with open(broken / "step-00000002" / "model-00000-of-00001.pt", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint .*; pass a checkpoint_dir"):
+        with pytest.warns(RuntimeWarning, match="model-00000-of-00001.pt has 100 bytes"):
+            replica.export_safetensors(broken, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_write_safetensors_streams_every_dtype_and_shape(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from replica.weights import WeightsError, write_safetensors
+
+    tensors = [("bf16", torch.randn(3, 5).to(torch.bfloat16)), ("scalar", torch.tensor(2.5)),
+               ("empty", torch.zeros(0, 4)), ("bool", torch.tensor([True, False, True])),
+               ("transposed", torch.arange(12, dtype=torch.int64).reshape(3, 4).t()), ("u8", torch.arange(5).byte())]
+    assert write_safetensors(tmp_path / "a.safetensors", tensors) == sum(t.nbytes for _, t in tensors)
+    loaded = load_file(str(tmp_path / "a.safetensors"))
+    assert list(loaded) == [n for n, _ in tensors] or sorted(loaded) == sorted(n for n, _ in tensors)
+    for name, t in tensors:
+        assert loaded[name].dtype == t.dtype
+        torch.testing.assert_close(loaded[name], t, rtol=0, atol=0)
+    with pytest.raises(WeightsError, match="safetensors cannot store"):
+        write_safetensors(tmp_path / "b.safetensors", [("sparse", torch.eye(3).to_sparse())])
+
+
+def test_export_stores_a_weight_tied_across_shards_once(tmp_path) -> None:
+    """Two ranks' shards each hold a copy of a tied weight under its own name: the manifest's
+    record of the ties (not shared storage, which only one shard can show) drops the alias;
+    equal values under names not recorded as tied both stay."""
+    from safetensors.torch import load_file
+
+    from replica.train import checkpoint as ckpt
+
+    embedding, norm = torch.randn(8, 4), torch.ones(4)
+    shards = [{"wte.weight": embedding, "ln.weight": norm},
+              {"head.weight": embedding.clone(), "ln2.weight": norm.clone()}]
+    for tied, directory in (({"wte.weight": ("head.weight",)}, tmp_path / "tied"), (None, tmp_path / "untied")):
+        tmp = directory / ".tmp-step-00000001"  # what two pipeline ranks leave for rank 0 to publish
+        tmp.mkdir(parents=True)
+        files: dict = {}
+        for i, model in enumerate(shards):
+            files.update(ckpt._write_shard(tmp, ckpt.Shard(index=i, count=2, model=model, rng={},
+                                                           optimizer={"state": {}, "param_groups": []})))
+        assert ckpt._publish(directory, directory / "step-00000001", tmp, 1, [(2, files, None)], {}, 1, tied or {}) \
+            is None
+        loaded = load_file(str(replica.export_safetensors(directory, directory / "hf")))
+        assert sorted(loaded) == sorted(["wte.weight", "ln.weight", "ln2.weight"] + ([] if tied else ["head.weight"]))
+        torch.testing.assert_close(loaded["wte.weight"], embedding, rtol=0, atol=0)

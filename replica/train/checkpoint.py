@@ -3,7 +3,7 @@
 Layout of one checkpoint (``P`` pipeline ranks wrote it, one shard each)::
 
     step-00000120/
-        manifest.json                 step, trainer state, sha256 and size of every file
+        manifest.json                 step, trainer state, tied weights' names, sha256 and size of every file
         model-00000-of-0000P.pt       a plain state_dict slice: ORIGINAL keys (loads into the model)
         optim-00000-of-0000P.pt       optimizer state and param groups keyed by parameter name
         rng-00000-of-0000P.pt         torch / python / numpy RNG states of the rank that wrote it
@@ -13,7 +13,8 @@ Writing is collective under ``torch.distributed``: every writing rank puts its f
 directory into place, so a checkpoint is either complete or absent. Reading takes every
 shard and keeps the names a rank asks for: a checkpoint written by 4 pipeline ranks
 loads on 2, or into the plain model (:func:`load_into_plain_model`). Every file is read
-with ``torch.load(..., weights_only=True)``.
+with ``torch.load(..., weights_only=True)``. :func:`export_safetensors` writes a checkpoint's
+weights as a Hugging Face directory's ``model.safetensors`` (or its shards and index).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,8 @@ import torch.distributed as dist
 from replica.errors import ReplicaError
 
 __all__ = [
-    "CheckpointError", "Shard", "save", "step_dir", "checkpoints", "verify", "latest", "resolve", "read_manifest",
-    "load_model_state", "load_optimizer_states", "load_rng", "load_into_plain_model",
+    "CheckpointError", "Shard", "save", "step_dir", "checkpoints", "verify", "latest", "latest_across_ranks", "resolve",
+    "read_manifest", "load_model_state", "load_optimizer_states", "load_rng", "load_into_plain_model",
 ]
 
 FORMAT = 1
@@ -132,11 +133,12 @@ def _gather(value: Any) -> list[Any]:
 
 
 def save(checkpoint_dir: str | os.PathLike[str], step: int, shard: Shard | None, meta: dict[str, Any], *,
-         keep: int) -> Path:
+         keep: int, tied: Mapping[str, Sequence[str]] | None = None) -> Path:
     """Write checkpoint ``step`` (collective: every rank calls; ranks without a shard pass ``None``).
 
     Returns the directory; raises :class:`CheckpointError` on every rank if any rank failed.
-    Keeps the newest ``keep`` checkpoints.
+    Keeps the newest ``keep`` checkpoints. ``tied``: each tied weight's first name -> its other
+    names (``plan.tied_parameters``), recorded so that an export stores the weight once.
     """
     root = Path(checkpoint_dir)
     final, tmp = step_dir(root, step), root / f".tmp-step-{step:08d}"
@@ -161,7 +163,7 @@ def save(checkpoint_dir: str | os.PathLike[str], step: int, shard: Shard | None,
     reports = _gather((shard.count if shard is not None else None, files, mine))
     if is_root:
         try:
-            problem = _publish(root, final, tmp, step, reports, meta, keep)
+            problem = _publish(root, final, tmp, step, reports, meta, keep, tied or {})
         except Exception as exc:  # every rank waits for this answer: give one
             problem = f"cannot publish checkpoint {final}: {type(exc).__name__}: {exc}"
     problem = _from_rank0(problem)
@@ -171,7 +173,7 @@ def save(checkpoint_dir: str | os.PathLike[str], step: int, shard: Shard | None,
 
 
 def _publish(root: Path, final: Path, tmp: Path, step: int, reports: list[Any], meta: dict[str, Any],
-             keep: int) -> str | None:
+             keep: int, tied: Mapping[str, Sequence[str]]) -> str | None:
     """Rank 0: check every shard arrived, write the manifest, rename into place, prune."""
     errors = [e for _, _, e in reports if e]
     if errors:
@@ -187,7 +189,8 @@ def _publish(root: Path, final: Path, tmp: Path, step: int, reports: list[Any], 
     if set(files) != expected:
         return f"checkpoint step {step} is missing shard files {sorted(expected - set(files))}"
     manifest = {"format": FORMAT, "step": step, "num_shards": count, "time": time.time(),
-                "torch_version": torch.__version__, "trainer": meta, "files": files}
+                "torch_version": torch.__version__, "trainer": meta, "files": files,
+                "tied_parameters": {name: list(aliases) for name, aliases in tied.items()}}
     try:
         _write(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_dir(tmp)
@@ -237,22 +240,49 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
-def verify(path: str | os.PathLike[str]) -> str | None:
-    """What is wrong with a checkpoint (missing manifest or file, wrong size or checksum), or None."""
+def verify(path: str | os.PathLike[str], *, share: tuple[int, int] = (0, 1)) -> str | None:
+    """What is wrong with a checkpoint (missing manifest or file, wrong size or checksum), or None.
+
+    ``share=(index, count)``: checksum only every ``count``-th file from the ``index``-th (sizes
+    are checked for all), so that ``count`` ranks together read each byte once
+    (:func:`latest_across_ranks`) instead of one rank reading the whole checkpoint."""
     path = Path(path)
     try:
         manifest = read_manifest(path)
+        files = sorted(manifest["files"].items())
+        for name, info in files:
+            file = path / name
+            if not file.is_file():
+                return f"{name} is missing"
+            if file.stat().st_size != info["bytes"]:
+                return f"{name} has {file.stat().st_size} bytes, the manifest says {info['bytes']}"
+        index, count = share
+        for name, info in files[index::count]:
+            if _sha256(path / name) != info["sha256"]:
+                return f"{name} fails its sha256 checksum"
     except CheckpointError as exc:
         return str(exc)
-    for name, info in sorted(manifest["files"].items()):
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != info["bytes"]:
-            return f"{name} has {file.stat().st_size} bytes, the manifest says {info['bytes']}"
-        if _sha256(file) != info["sha256"]:
-            return f"{name} fails its sha256 checksum"
+    except OSError as exc:  # unreadable: permissions, a file removed meanwhile
+        return f"cannot read it: {exc}"
     return None
+
+
+def _set_aside(path: Path, problem: str, quarantine: bool) -> None:
+    """Warn that ``path`` is skipped; with ``quarantine`` rename it ``corrupt-step-XXXXXXXX`` (kept
+    for inspection, so a resumed run can write that step again)."""
+    note = ""
+    if quarantine:
+        target = path.with_name(f"corrupt-{path.name}")
+        n = 1
+        while target.exists():
+            target, n = path.with_name(f"corrupt-{path.name}.{n}"), n + 1
+        try:
+            os.rename(path, target)
+            note = f" (moved to {target.name})"
+        except OSError:
+            pass
+    warnings.warn(f"checkpoint {path} is corrupt or incomplete: {problem}; skipping it{note} and "
+                  "falling back to the previous checkpoint", RuntimeWarning, stacklevel=3)
 
 
 def latest(checkpoint_dir: str | os.PathLike[str], *, quarantine: bool = False) -> Path | None:
@@ -263,19 +293,25 @@ def latest(checkpoint_dir: str | os.PathLike[str], *, quarantine: bool = False) 
         problem = verify(path)
         if problem is None:
             return path
-        note = ""
-        if quarantine:
-            target = path.with_name(f"corrupt-{path.name}")
-            n = 1
-            while target.exists():
-                target, n = path.with_name(f"corrupt-{path.name}.{n}"), n + 1
-            try:
-                os.rename(path, target)
-                note = f" (moved to {target.name})"
-            except OSError:
-                pass
-        warnings.warn(f"checkpoint {path} is corrupt or incomplete: {problem}; skipping it{note} and "
-                      "falling back to the previous checkpoint", RuntimeWarning, stacklevel=2)
+        _set_aside(path, problem, quarantine)
+    return None
+
+
+def latest_across_ranks(checkpoint_dir: str | os.PathLike[str], *, quarantine: bool = False) -> Path | None:
+    """:func:`latest`, collective under ``torch.distributed`` (every rank calls, every rank gets the
+    same answer): each rank checksums a 1/world share of each candidate's files, so no rank reads
+    the whole checkpoint of a model larger than it holds. Rank 0 lists the candidates, warns and
+    quarantines."""
+    if not _distributed():
+        return latest(checkpoint_dir, quarantine=quarantine)
+    root, rank, world = Path(checkpoint_dir), dist.get_rank(), dist.get_world_size()
+    names = _from_rank0([p.name for p in checkpoints(root)] if rank == 0 else None)
+    for path in (root / name for name in reversed(names)):
+        problems = [p for p in _gather(verify(path, share=(rank, world))) if p is not None]
+        if not problems:
+            return path
+        if rank == 0:
+            _set_aside(path, problems[0], quarantine)
     return None
 
 

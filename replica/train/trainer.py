@@ -12,6 +12,11 @@ loads the newest good checkpoint there (weights, optimizer, RNG states, data pos
 Each checkpoint records which ``train_dataset`` call of the trainer's life wrote it, so
 a restarted script replays its calls: those the checkpoint shows finished return at once,
 the one it interrupted continues from the next batch, later ones run as usual.
+
+A model built on meta (``with torch.device("meta"):``, or ``replica.deferred_init()``) trains
+too: ``get_trainer(..., init=..., weights=...)`` hands both to ``auto_parallel``, so each rank
+allocates only its own stages. Resumed, it is materialized from the checkpoint itself (each
+rank reads only its own stages' tensors; no ``init`` needed for the parameters).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch.utils._pytree import tree_map
 from replica.api import PipelineModel, auto_parallel
 from replica.defaults import TrainerConfig, default_config
 from replica.errors import ConfigError
+from replica.meta import stage_device
 from replica.pipeline import heap, microbatch
 from replica.train import checkpoint as ckpt
 from replica.train.data import Batch, DataSource, Inputs, LoaderSource, make_source, num_samples_in, pad
@@ -40,6 +46,7 @@ from replica.train.state import load_into_pipeline, shard_of
 __all__ = ["Trainer", "get_trainer"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+Init = Callable[[torch.nn.Module], None]
 
 
 def _distributed() -> bool:
@@ -62,20 +69,24 @@ class Trainer:
     Attributes: ``pipeline`` (the :class:`replica.PipelineModel`, None before the first
     batch), ``optimizer`` (for the parameters this rank holds), ``step`` (optimizer steps
     so far), ``epoch`` (finished epochs), ``history`` (one dict per epoch),
-    ``resumed_from`` (the checkpoint loaded, or None).
+    ``resumed_from`` (the checkpoint loaded, or None), ``device`` (where batches go; for a
+    model built on meta, meta until the pipeline is built).
     """
 
     def __init__(self, config: TrainerConfig, model: torch.nn.Module, loss: LossFn,
-                 optimizer: torch.optim.Optimizer | OptimizerFactory, *, keep_freed_memory: bool = False) -> None:
+                 optimizer: torch.optim.Optimizer | OptimizerFactory, *, keep_freed_memory: bool = False,
+                 init: Init | None = None, weights: str | os.PathLike[str] | None = None) -> None:
         self.config = config
         if keep_freed_memory:  # asked for: process-wide, for the rest of the process (pipeline/heap.py)
             heap.keep_freed_memory()
-        if config.device is not None:
+        self._on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        if config.device is not None and not self._on_meta:  # a meta model's stages land where auto_parallel puts them
             device = torch.device(config.device)
             if device.type == "cuda" and device.index is None and _distributed():
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             model.to(device)  # parameters stay the same objects: the optimizer still points at them
         self.model, self.loss, self._optimizer_arg = model, loss, optimizer
+        self._init, self._weights = init, weights
         self.device = next(model.parameters()).device
         self.loss_reduction = getattr(loss, "reduction", "mean")
         if self.loss_reduction not in ("mean", "sum"):
@@ -124,20 +135,41 @@ class Trainer:
             return 1
         return c.data_parallel_size
 
-    def _build(self, source: DataSource, batch_size: int) -> None:
+    def _meta_device(self) -> torch.device:
+        """Where this rank's stages of a meta model will be materialized (config.device must agree)."""
+        device, asked = stage_device(self.world_size), self.config.device
+        if asked is not None:
+            want = torch.device(asked)
+            if want.type != device.type or (want.index is not None and want.index != device.index):
+                where = "this rank's current GPU under NCCL" if device.type == "cuda" else "the CPU (one process, gloo)"
+                raise ConfigError(
+                    f"config.device={asked!r}, but a model built on meta is materialized where auto_parallel puts each "
+                    f"rank's stages: {device} ({where}). Leave config.device None, or under NCCL call "
+                    "torch.cuda.set_device(LOCAL_RANK) before get_trainer"
+                )
+        return device
+
+    def _build(self, source: DataSource, batch_size: int, checkpoint: Path | None = None) -> None:
         """Trace, plan and split on a first (global) batch of ``batch_size``; a data set smaller
         than that is repeated to fill it, so the plan never depends on its size. A
-        ``DataLoader``'s first batch is taken as it comes: the loader sets the batch size."""
+        ``DataLoader``'s first batch is taken as it comes: the loader sets the batch size.
+        A meta model is materialized from ``checkpoint`` (the one about to be resumed) when given:
+        the weights it would load anyway, each rank only its own stages'."""
+        if self._on_meta:
+            self.device = self._meta_device()
         first = next(source.batches(epoch=0, batch_size=batch_size, shuffle=False, seed=0, merge_last=False))
         inputs = first[0] if isinstance(source, LoaderSource) else pad(first[0], batch_size)[0]
         c = self.config
         example = self._to_device((inputs, None))[0]
         args, kwargs = ((), example) if isinstance(example, dict) else (example, None)
+        materialize: dict[str, Any] = {}
+        if self._on_meta:
+            materialize = {"init": self._init, "weights": checkpoint if checkpoint is not None else self._weights}
         pm = auto_parallel(self.model, args, example_kwargs=kwargs, num_stages=c.num_stages,
                            num_microbatches=c.num_microbatches, schedule=c.schedule, loss_fn=self.loss,
                            loss_reduction=self.loss_reduction,
                            data_parallel_size=self._replicas_asked(),
-                           timeout_s=c.timeout_s)
+                           timeout_s=c.timeout_s, **materialize)
         held = dict(pm.named_parameters())
         self._names = {id(p): name for name, p in held.items()}
         self.optimizer = make_optimizer(self._optimizer_arg, self._model_names, held)
@@ -198,11 +230,14 @@ class Trainer:
         self._run = {"batch_size": batch_size, "shuffle": bool(shuffle), "seed": c.seed,
                      "num_samples": source.num_samples}
         self._agree("train_dataset", (call, source.num_samples, batch_size, bool(shuffle), epochs))
+        found = None
+        if c.checkpoint_dir is not None and not self._resume_checked:  # before building: a meta model loads it
+            found = ckpt.latest_across_ranks(c.checkpoint_dir, quarantine=True)
         if self.pipeline is None:
-            self._build(source, batch_size)
+            self._build(source, batch_size, checkpoint=found)
         if c.checkpoint_dir is not None and not self._resume_checked:
             self._resume_checked = True
-            self._resumed = self._resume()
+            self._resumed = self._resume(found) if found is not None else None
         start_epoch, start_batch, self._call_start_epoch = self.epoch, 0, self.epoch
         if self._resumed is not None:
             if self._resumed["call"] > call:  # a later call wrote the checkpoint: this one had finished
@@ -295,24 +330,16 @@ class Trainer:
                 "layout": {"num_stages": p.num_stages, "num_microbatches": p.num_microbatches,
                            "schedule": p.schedule, "data_parallel_size": p.data_parallel_size,
                            "world_size": self.world_size}}
-        path = ckpt.save(c.checkpoint_dir, self.step, shard, meta, keep=c.keep_checkpoints)
+        path = ckpt.save(c.checkpoint_dir, self.step, shard, meta, keep=c.keep_checkpoints, tied=p.tied_parameters)
         self._last_saved_step = self.step
         self.reporter.record("checkpoint", step=self.step, path=str(path))
         return path
 
-    def _resume(self) -> dict[str, Any] | None:
-        """Load the newest good checkpoint of ``checkpoint_dir`` into this rank's stages, if any."""
-        assert self.pipeline is not None and self.config.checkpoint_dir is not None
-        found = None
-        if self.is_main:
-            path = ckpt.latest(self.config.checkpoint_dir, quarantine=True)
-            found = None if path is None else str(path)
-        if _distributed():
-            box = [found]
-            dist.broadcast_object_list(box, src=0)
-            found = box[0]
-        if found is None:
-            return None
+    def _resume(self, path: Path) -> dict[str, Any]:
+        """Load checkpoint ``path`` (the newest good one of ``checkpoint_dir``, which every rank
+        verified a share of) into this rank's stages: only the tensors they hold are read."""
+        assert self.pipeline is not None
+        found = str(path)
         try:
             meta = load_into_pipeline(found, self.pipeline, self.optimizer, self._names, self._plain_keys)
         except Exception as exc:
@@ -405,11 +432,15 @@ class Trainer:
 def get_trainer(config: TrainerConfig | None = None, model: torch.nn.Module | None = None,
                 loss: LossFn | None = None,
                 optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, *,
-                keep_freed_memory: bool = False) -> Trainer:
+                keep_freed_memory: bool = False, init: Init | None = None,
+                weights: str | os.PathLike[str] | None = None) -> Trainer:
     """A :class:`Trainer` for ``model``. ``optimizer``: one built on ``model.parameters()`` (rebuilt
     per rank for the parameters it holds, by name, keeping class, defaults and param groups)
     or a factory ``params -> optimizer``. The pipeline is built on the first batch.
-    ``keep_freed_memory``: call :func:`replica.keep_freed_memory` (CPU ranks, glibc) first."""
+    ``keep_freed_memory``: call :func:`replica.keep_freed_memory` (CPU ranks, glibc) first.
+    ``init`` and ``weights``: for a model built on meta, as :func:`replica.auto_parallel` takes
+    them (each rank materializes only its own stages); a checkpoint being resumed wins over
+    ``weights``."""
     if not isinstance(keep_freed_memory, bool):
         raise ConfigError(f"keep_freed_memory must be True or False, got {keep_freed_memory!r}")
     config = default_config() if config is None else config
@@ -428,4 +459,14 @@ def get_trainer(config: TrainerConfig | None = None, model: torch.nn.Module | No
             f"optimizer must be a torch.optim.Optimizer on model.parameters() or a factory params -> optimizer, "
             f"got {type(optimizer).__name__}"
         )
-    return Trainer(config, model, loss, optimizer, keep_freed_memory=keep_freed_memory)
+    if init is not None and not callable(init):
+        raise ConfigError(f"init must be callable(module) -> None, applied to each module, got {type(init).__name__}")
+    if (init is not None or weights is not None) and not any(t.is_meta for t in [*model.parameters(),
+                                                                                  *model.buffers()]):
+        given = " and ".join(n for n, v in (("init=", init), ("weights=", weights)) if v is not None)
+        raise ConfigError(
+            f"{given} initialize or load a model built on meta, but {type(model).__name__} has no tensor on the meta "
+            "device: its weights are already real. Build it under `with torch.device('meta'):` or "
+            "`with replica.deferred_init():` to have each rank allocate only its own stages, or drop " + given
+        )
+    return Trainer(config, model, loss, optimizer, keep_freed_memory=keep_freed_memory, init=init, weights=weights)
