@@ -203,7 +203,7 @@ def test_planner_options_are_used_and_checked(mlp):
 
 def test_auto_parallel_refuses_what_it_cannot_run(mlp):
     msg = error(replica.ConfigError, replica.auto_parallel, mlp.model, mlp.example_inputs, mixed_precision=True)
-    assert "cannot run in mixed precision yet" in msg
+    assert "mixed_precision=True does not say which half precision" in msg
     msg = error(replica.ConfigError, replica.plan, mlp.model, mlp.example_inputs, data_parallel_size=2)
     assert "data_parallel_size=2 needs a world of processes: give world_size=" in msg
     msg = error(replica.ConfigError, replica.auto_parallel, mlp.model, mlp.example_inputs, tensor_parallel_size=2)

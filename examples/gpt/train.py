@@ -2,6 +2,7 @@
 
     python examples/gpt/train.py                   # 4 stages, 4 micro-batches, 1F1B, about 2 minutes on 2 CPU cores
     python examples/gpt/train.py --data input.txt --steps 2000 --schedule gpipe
+    python examples/gpt/train.py --precision bf16   # bfloat16 autocast; fp16 adds replica.GradScaler
     torchrun --nproc-per-node 2 examples/gpt/train.py --threads 1   # 2 ranks over gloo, laid out by Replica
 
 Under torchrun (one node or several) every rank runs this same script, on the same batches;
@@ -45,6 +46,9 @@ def parse_args() -> argparse.Namespace:
                    help="default: 4 in one process; under torchrun, one per rank (two for interleaved / zb-v)")
     p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1 | interleaved | zb-v | auto")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="what the stages compute in: fp32, or bf16 / fp16 autocast (fp32 weights and AdamW state; "
+                   "fp16 scales the loss with replica.GradScaler)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--log-every", type=int, default=100)
@@ -69,13 +73,15 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
 
 @torch.no_grad()
 def estimate_loss(pm: replica.PipelineModel, data: torch.Tensor, args: argparse.Namespace, num_batches: int = 8) -> float:
+    """The mean loss over ``num_batches`` fixed windows of ``data``, through the pipeline (under
+    ``--precision``'s autocast, as in training); the loss itself in fp32."""
     generator = torch.Generator().manual_seed(args.seed + 1)  # the same windows every time
     device = next(pm.model.parameters()).device
     losses = []
     for _ in range(num_batches):
         x, y = get_batch(data, args.batch_size, args.block_size, generator)  # (B, T), (B, T)
         logits = pm(x.to(device))  # (B, T, vocab_size): the pipelined forward, on every rank
-        losses.append(loss_fn(logits, y.to(device)).item())
+        losses.append(loss_fn(logits.float(), y.to(device)).item())
     return sum(losses) / len(losses)
 
 
@@ -104,6 +110,7 @@ def train_with_trainer(model: GPT, train_data: torch.Tensor, val_data: torch.Ten
     config = replica.defaults.default_config(
         num_stages=args.num_stages, num_microbatches=args.num_microbatches, schedule=args.schedule,
         batch_size=args.batch_size, seed=args.seed, log_every_steps=args.log_every,
+        precision=args.precision,  # fp16: the Trainer steps through its own replica.GradScaler
     )
     trainer = replica.get_trainer(config=config, model=model, loss=loss_fn,
                                   optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
@@ -166,11 +173,15 @@ def train_with_loop(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor
         num_microbatches=args.num_microbatches,
         schedule=args.schedule,
         loss_fn=loss_fn,
+        mixed_precision=args.precision,  # "fp32": no autocast; "bf16" / "fp16": each stage's forward under autocast
     )
     say(pm.plan.summary())
 
     # pm.parameters() are the model's own parameters (those this rank holds), so any optimizer works unchanged.
     optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.99))
+    # fp16 needs loss scaling (small gradients underflow otherwise); replica.GradScaler agrees
+    # across ranks on whether a step overflowed, so every rank skips or steps together
+    scaler = replica.GradScaler(device=device.type) if args.precision == "fp16" else None
     tokens_per_step = args.batch_size * args.block_size
     t0 = time.perf_counter()
     for step in range(args.steps):
@@ -179,12 +190,17 @@ def train_with_loop(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor
         x, y = get_batch(train_data, args.batch_size, args.block_size, generator)  # (B, T), (B, T)
         optimizer.zero_grad(set_to_none=True)
         # every micro-batch forward and backward; the mean loss over the global batch
-        loss = pm.train_step(x.to(device), y.to(device))
-        optimizer.step()
+        loss = pm.train_step(x.to(device), y.to(device), scaler=scaler)  # the loss returned is unscaled
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)  # unscales the gradients; skips the step if any rank's overflowed
+            scaler.update()
         if step % args.log_every == 0 or step == args.steps - 1:
             elapsed = time.perf_counter() - t0
+            scale = "" if scaler is None else f" | loss scale {scaler.get_scale():.0f}"
             say(f"step {step:4d} | loss {float(loss):.4f} | lr {learning_rate(step, args):.2e} | "
-                f"{tokens_per_step * (step + 1) / elapsed:,.0f} tokens/s")
+                f"{tokens_per_step * (step + 1) / elapsed:,.0f} tokens/s{scale}")
     say(f"trained {args.steps} steps in {time.perf_counter() - t0:.1f}s")
 
     pm.eval()  # also the plain model: the stages share its modules

@@ -25,11 +25,12 @@ class LocalRuntime:
     """Executes a schedule's actions over ``stages`` (all in this process)."""
 
     def __init__(self, stages: Sequence[StageModule], schedule: Schedule, *, recompute: bool = False,
-                 pointwise_recompute: bool = False, rebuilds: Iterable[tuple[int, str]] = ()) -> None:
+                 pointwise_recompute: bool = False, rebuilds: Iterable[tuple[int, str]] = (),
+                 precision: str = "fp32") -> None:
         self.stages = list(stages)
         self.schedule = schedule
         self.executor = Executor(self.stages, schedule, range(len(schedule)), recompute=recompute,
-                                 pointwise=pointwise_recompute, rebuilds=rebuilds)
+                                 pointwise=pointwise_recompute, rebuilds=rebuilds, precision=precision)
 
     def forward(self, microbatches: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Pipelined forward without cutting autograd: the result backpropagates like the model's."""

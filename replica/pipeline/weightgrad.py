@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from replica.pipeline import remat
 from replica.pipeline.rewrite import rewrite_calls
+from replica.precision import ambient_autocast
 
 __all__ = ["WeightGrads", "defer_linear_weight_grads", "collecting"]
 
@@ -66,10 +67,10 @@ def _apply(weight: torch.Tensor, bias: torch.Tensor | None, x: Any, dy: torch.Te
     and output gradients alive until ``.grad`` is reset."""
     a, b, dy2 = _operands(remat.materialize(x), dy, transposed)
     if weight.requires_grad:
-        if weight.grad is None:
-            weight.grad = a.mm(b)
-        else:
+        if weight.grad is not None and weight.grad.dtype == a.dtype:
             weight.grad.addmm_(a, b)
+        else:  # computed in autocast's dtype (or the weight's), kept in the gradient's
+            _accumulate(weight, a.mm(b))
     if bias is not None and bias.requires_grad:
         _accumulate(bias, dy2.sum(0))
 
@@ -88,9 +89,17 @@ def _operands(x: torch.Tensor, dy: torch.Tensor, transposed: bool) -> tuple[torc
     return a, b, dy2
 
 
+def grad_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype ``p``'s gradient accumulates in: its ``grad_dtype`` where torch has one
+    (fp32 gradients of bf16 weights), else its own."""
+    return getattr(p, "grad_dtype", None) or p.dtype
+
+
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    """``g`` into ``p.grad``, in the gradient's dtype: a gradient computed in autocast's half
+    precision is cast as autograd casts it back through autocast's weight cast."""
     if p.grad is None:
-        p.grad = g
+        p.grad = g.to(grad_dtype(p))
     else:
         p.grad += g
 
@@ -112,15 +121,26 @@ class _Linear(torch.autograd.Function):
                 transposed: bool) -> torch.Tensor:
         # The output of a rebuildable op (GELU) is kept as the op's input and a recipe, rebuilt
         # when W runs. The input is saved the usual way, so autograd frees it after backward.
+        # Under autocast the layer computes as autocast would (its matmul in autocast's dtype,
+        # inputs, weight and bias cast to it) and keeps the cast input, as autocast's own
+        # linear saves; backward then casts the weight again and hands gradients back in that
+        # dtype, which autograd and W cast to each parameter's gradient dtype.
+        cast = ambient_autocast(x.device.type)
+        ctx.cast = cast if cast is not None and torch.is_floating_point(x) else None
+        if ctx.cast is not None:
+            x, w, b = (None if t is None else t.to(ctx.cast) for t in (x, weight, bias))
+        else:
+            w, b = weight, bias
         recipe = remat.rebuildable(x)
         ctx.recipe = None if recipe is None else recipe.with_source(None)
         ctx.save_for_backward(x if recipe is None else recipe.source)
         # The parameters themselves, not saved-tensor copies: under activation checkpointing a
         # saved tensor comes back as a recomputed alias, and W must accumulate into the Parameter.
         ctx.weight, ctx.bias, ctx.transposed = weight, bias, transposed
-        if transposed:  # (in, out) weight, as GPT-2's Conv1D: addmm(bias, x, weight)
-            return torch.addmm(bias, x, weight) if bias is not None else x.mm(weight)
-        return F.linear(x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False) if ctx.cast is not None else contextlib.nullcontext():
+            if transposed:  # (in, out) weight, as GPT-2's Conv1D: addmm(bias, x, weight)
+                return torch.addmm(b, x, w) if b is not None else x.mm(w)
+            return F.linear(x, w, b)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -129,14 +149,15 @@ class _Linear(torch.autograd.Function):
         weight, bias, transposed = ctx.weight, ctx.bias, ctx.transposed
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = dy.mm(weight.t()) if transposed else dy.matmul(weight)
+            w = weight if ctx.cast is None else weight.to(ctx.cast)
+            dx = dy.mm(w.t()) if transposed else dy.matmul(w)
         sink = getattr(_active, "sink", None)
         if sink is not None:
             sink.add((weight, bias, x, dy, transposed))
             return dx, None, None, None
         dw, db = _weight_grads(remat.materialize(x), dy, transposed, ctx.needs_input_grad[1],
                                bias is not None and ctx.needs_input_grad[2])
-        return dx, dw, db, None
+        return dx, dw, db, None  # autograd casts each to its input's dtype
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
