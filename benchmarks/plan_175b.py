@@ -1,9 +1,10 @@
 """Plan GPT-3 175B for 1024 A100-80GB on this laptop-class machine: meta tensors only.
 
 96 layers, d=12288, 96 heads, vocab 50257, sequence 2048, global batch 1536 sequences,
-bf16 weights with fp32 Adam state and master weights. The tuner picks pipeline ranks x
-data-parallel replicas x micro-batches x schedule x recompute; every stage must fit
-80 GB. Prints the plan, the wall time and this process's peak RSS; with --world-size 8
+trained as torch's mixed precision runs it: fp32 weights, gradients and Adam state, every
+stage's forward under bf16 autocast (bf16 matmuls and weight copies). The tuner picks
+pipeline ranks x data-parallel replicas x micro-batches x schedule x recompute; every
+stage must fit 80 GB. Prints the plan, the wall time and this process's peak RSS; with --world-size 8
 shows the error naming how many GPUs are needed.
 Usage: ``python benchmarks/plan_175b.py [--world-size 1024]``.
 """
@@ -29,9 +30,9 @@ GPT3_175B = GPTConfig(block_size=2048, vocab_size=50257, n_layer=96, n_head=96, 
 def plan_175b(world_size: int, global_batch: int = 1536, config: GPTConfig = GPT3_175B,
               schedule: str = "auto") -> replica.Plan:
     with torch.device("meta"):
-        model = GPT(config).to(torch.bfloat16)
+        model = GPT(config)
     tokens = torch.empty(global_batch, config.block_size, dtype=torch.long, device="meta")
-    return replica.plan(model, (tokens,), world_size=world_size, device="a100-80gb", mixed_precision=True,
+    return replica.plan(model, (tokens,), world_size=world_size, device="a100-80gb", mixed_precision="bf16",
                         schedule=schedule)
 
 

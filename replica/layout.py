@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from replica.errors import ConfigError
 
-__all__ = ["ScheduleKind", "SCHEDULE_KINDS", "schedule_kind", "schedule_names", "TUNED_SCHEDULES", "Layout",
-           "Coordinates"]
+__all__ = ["ScheduleKind", "SCHEDULE_KINDS", "schedule_kind", "schedule_names", "TUNED_SCHEDULES", "SHARDINGS",
+           "Layout", "Coordinates"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
     ScheduleKind("gpipe", "one", 1, False),
 )}
 TUNED_SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_KINDS)
+SHARDINGS = ("none", "zero3", "zero2")  # Layout.sharding
 
 
 def schedule_names(auto: bool = False) -> list[str]:
@@ -112,12 +113,28 @@ class Layout:
     pipeline_ranks: int
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    # how the data-parallel replicas hold their stages' state (torch's FSDP2 over each
+    # stage's data-parallel group): "none" (each a whole copy), "zero3" (weights, gradients
+    # and optimizer state sharded, weights gathered for each forward and backward) or
+    # "zero2" (the same, the gathered weights kept from forward to backward)
+    sharding: str = "none"
 
     def __post_init__(self) -> None:
         kind = schedule_kind(self.schedule)
         object.__setattr__(self, "schedule", kind.name)
         for name in ("num_stages", "pipeline_ranks", "data_parallel_size", "tensor_parallel_size"):
             _positive(name, getattr(self, name))
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(f"sharding must be one of {list(SHARDINGS)}, got {self.sharding!r}")
+        if self.sharding != "none" and self.data_parallel_size == 1:
+            raise ConfigError(f"sharding={self.sharding!r} shards over data-parallel replicas, but this layout has "
+                              f"one ({self.pipeline_ranks} pipeline ranks); use sharding='none' or more replicas")
+        if self.sharding != "none" and kind.splits_backward:
+            raise ConfigError(
+                f"sharded data parallelism (sharding={self.sharding!r}) cannot run the zero-bubble schedule "
+                f"{kind.name!r} yet: FSDP reduces a weight's gradient when autograd makes it, before a deferred "
+                "W action. Use gpipe, 1f1b or interleaved with sharding"
+            )
         if self.tensor_parallel_size != 1:
             raise ConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not built yet; "
@@ -137,8 +154,13 @@ class Layout:
     def stages_per_rank(self) -> int:
         return self.num_stages // self.pipeline_ranks
 
+    @property
+    def sharded(self) -> bool:
+        return self.sharding != "none"
+
     def describe(self) -> str:
         return (f"{self.pipeline_ranks} pipeline x {self.data_parallel_size} data"
+                + (f" ({self.sharding} sharded)" if self.sharded else "")
                 + (f" x {self.tensor_parallel_size} tensor" if self.tensor_parallel_size > 1 else "")
                 + f", {self.num_stages} stages, {self.schedule}")
 

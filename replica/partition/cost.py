@@ -17,7 +17,7 @@ from replica.errors import ConfigError
 from replica.partition.graph import Node
 from replica.partition.profile import OpTimes
 
-__all__ = ["DeviceSpec", "CostModel", "device_spec", "preset_for_cuda_device", "PRESETS"]
+__all__ = ["DeviceSpec", "CostModel", "device_spec", "preset_for_cuda_device", "ring_collective_time", "PRESETS"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,8 +27,10 @@ class DeviceSpec:
     ``flops`` is for fp32 (TF32 where a GPU uses it by default), ``half_flops`` for
     bf16/fp16; ``op_overhead_s`` is the fixed cost of launching one op (Python and
     dispatch on a CPU, a kernel launch on a GPU); ``link_*`` is the point-to-point
-    path to the neighbouring pipeline device inside a node of ``devices_per_node``;
-    ``network_bandwidth`` the per-device bandwidth between nodes (0: same as the link).
+    path to the neighbouring pipeline device inside a node of ``devices_per_node``, and
+    each device's bus bandwidth in a collective among devices of one node (NVLink);
+    ``network_bandwidth`` the per-device bandwidth between nodes (0: same as the link),
+    which a collective spanning nodes runs at (:meth:`collective_bandwidth`).
     ``datasheet_flops`` is the vendor's dense half-precision peak, the denominator of
     model-FLOPs utilisation (0: ``half_flops``). ``cache_bytes`` is the last-level cache one
     device's work can count on (a CPU process: its share of the cache when every core sharing
@@ -75,6 +77,12 @@ class DeviceSpec:
     def between_nodes_bandwidth(self) -> float:
         return self.network_bandwidth or self.link_bandwidth
 
+    def collective_bandwidth(self, span: int) -> float:
+        """Each device's bus bandwidth in a ring collective among groups laid over ``span``
+        consecutive ranks: the node's links (NVLink) while those fit in one node, else its
+        share of the network (a ring that leaves the node runs at its slowest hop)."""
+        return self.link_bandwidth if span <= self.devices_per_node else self.between_nodes_bandwidth
+
 
 GB = 1e9
 PRESETS: dict[str, DeviceSpec] = {
@@ -95,6 +103,19 @@ PRESETS: dict[str, DeviceSpec] = {
                             op_overhead_s=5e-6, devices_per_node=8, network_bandwidth=50 * GB,
                             datasheet_flops=989e12),
 }
+
+def ring_collective_time(spec: DeviceSpec, nbytes: float, group: int, span: int, *, passes: int = 1,
+                         calls: int = 1) -> float:
+    """Seconds of ring collectives over ``group`` ranks (laid over ``span`` consecutive ranks) on
+    a tensor of ``nbytes`` whole (as gathered, or before it is reduced): in each pass every rank
+    sends and receives ``(group - 1) / group`` of it, and each of the ``calls`` collectives
+    pays ``group - 1`` link latencies. An all-gather or a reduce-scatter is one pass, an
+    all-reduce two (NCCL's ring: a reduce-scatter then an all-gather)."""
+    if group <= 1:
+        return 0.0
+    hop = (group - 1) / group * nbytes / spec.collective_bandwidth(span)
+    return passes * (hop + calls * (group - 1) * spec.link_latency_s)
+
 
 # torch.cuda.get_device_name() -> preset: "NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3", ...
 # An H200 (141 GB, 4.8 TB/s) or GH200 is priced as an H100: its plans fit, a little pessimistic.
@@ -245,7 +266,8 @@ class CostModel:
     """Prices for ops and transfers.
 
     Analytic: time = FLOPs / FLOP/s + bytes / bandwidth + launch overhead per call (the
-    bandwidth of the cache when one call's bytes fit in it, see ``DeviceSpec``), and
+    bandwidth of the cache when one call's bytes fit in it, see ``DeviceSpec``; the FLOP/s of
+    the op's ``compute_dtype`` under autocast, else of the model's ``dtype``), and
     backward = ``backward_factor`` × forward (2: one matmul for the input, one for the
     weight). Ops found in ``measured`` (per micro-batch call, from :func:`profile`) use
     their measured times instead (timed on ``measured_fraction`` of the traced batch).
@@ -268,7 +290,8 @@ class CostModel:
         d = self.device
         nbytes = node.bytes_accessed * self.batch_fraction
         bandwidth = d.bandwidth(nbytes / max(1, num_calls))
-        return node.flops / d.peak(self.dtype) * self.batch_fraction + nbytes / bandwidth + num_calls * d.op_overhead_s
+        rate = d.peak(node.compute_dtype or self.dtype)  # an op's own dtype where autocast chose one
+        return node.flops / rate * self.batch_fraction + nbytes / bandwidth + num_calls * d.op_overhead_s
 
     def call_overhead(self, node: Node, backward: bool = False) -> float:
         """The part of one call's time that does not shrink with the micro-batch."""

@@ -65,6 +65,11 @@ class Node:
     (a tuple of tensors, as ``split`` makes: never cut between it and its readers);
     ``writes_into`` names the value an in-place write through a view changes (never
     cut between that value and this node).
+
+    Under autocast (a graph from :func:`replica.partition.autocast.autocast_graph`)
+    ``outputs`` carry autocast's dtypes, ``compute_dtype`` is the dtype most of the op's
+    FLOPs run in ("": the model's, as without autocast) and ``weight_casts`` the
+    ``(parameter, dtype)`` copies autocast makes of the weights it reads, once per forward.
     """
 
     name: str
@@ -80,6 +85,8 @@ class Node:
     parameters: tuple[str, ...] = ()
     buffers: tuple[str, ...] = ()
     users: list[str] = field(default_factory=list)
+    compute_dtype: str = ""
+    weight_casts: tuple[tuple[str, str], ...] = ()
 
     @property
     def output_bytes(self) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["mutates_first_argument", "make_writes_explicit", "view_writes", "mutated_inputs"]
+__all__ = ["mutates_first_argument", "is_view", "make_writes_explicit", "view_writes", "mutated_inputs"]
 
 INPLACE_FUNCTIONS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -42,7 +42,7 @@ def _first_alias(n: fx.Node) -> Any:
     return arguments[0].alias_info if arguments else None
 
 
-def _is_view(n: fx.Node) -> bool:
+def is_view(n: fx.Node) -> bool:
     alias = _first_alias(n)
     if alias is not None:
         return not alias.is_write
@@ -97,7 +97,7 @@ def view_writes(gm: fx.GraphModule) -> dict[str, str]:
             base = root.get(x.name)
             if base is not None or n.target is operator.setitem:
                 out[n.name] = base or x.name
-        elif _is_view(n):
+        elif is_view(n):
             root[n.name] = root.get(x.name, x.name)
     return out
 
@@ -113,6 +113,6 @@ def mutated_inputs(nodes: list[fx.Node], received: set[str], gm: fx.GraphModule)
             continue
         if mutates_first_argument(n, gm):
             mutated.add(root[x.name])
-        elif _is_view(n):
+        elif is_view(n):
             root[n.name] = root[x.name]
     return mutated

@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from replica.errors import ConfigError, PartitionError
-from replica.layout import Layout, schedule_kind
+from replica.layout import SHARDINGS, Layout, schedule_kind
 from replica.partition.cost import CostModel
-from replica.partition.graph import INPUT, OP, Graph, Node, TensorInfo
+from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
 from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
 
-__all__ = ["MemoryModel", "partition", "fingerprint", "in_flight_microbatches", "MAX_EXACT_POSITIONS"]
+__all__ = ["MemoryModel", "partition", "fingerprint", "in_flight_microbatches", "weight_copy_bytes", "fsdp_unit",
+           "units_in_flight", "reshard", "MAX_EXACT_POSITIONS"]
 
 MAX_EXACT_POSITIONS = 1200
 INF = float("inf")
@@ -36,22 +38,162 @@ _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "adagra
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """What training keeps per parameter: the weight, its gradient (same dtype), the
-    optimizer's fp32 states (Adam: two moments) and, with ``mixed_precision``, an fp32
-    master copy of every half-precision weight. With ``recompute`` a stage keeps only
-    its inputs for the micro-batches in flight and recomputes its forward in backward
-    (one micro-batch's activations at a time, one more forward's time)."""
+    """What training keeps on a stage, counted as torch keeps it.
+
+    Per parameter: the weight, its gradient and the optimizer's states (Adam: two moments),
+    all three in the parameter's own dtype, since torch accumulates a gradient in its
+    parameter's dtype and its optimizers make their states with ``zeros_like(param)``: 16
+    bytes a parameter for an fp32 model under Adam, 8 for a model cast to bf16 (torch's
+    optimizers keep no fp32 master copy). Autocast (bf16 / fp16) leaves all of that as it
+    is and adds copies of the weights its ops read in half precision (2 bytes a parameter;
+    the graph's ``Node.weight_casts``): each micro-batch's stage forward is an autocast region
+    of its own, whose cast cache makes a fresh copy, and autograd keeps that copy until the
+    micro-batch's backward, so a stage holds one set per micro-batch in flight, counted with
+    its activations. (Stages whose linear layers defer their weight gradients cast those
+    weights again in backward instead of keeping them; counting their copies errs towards
+    fitting.) Activations are the ops' saved outputs in their dtypes: autocast's, in a graph
+    of :func:`replica.partition.autocast.autocast_graph`.
+
+    With ``recompute`` a stage keeps only its inputs for the micro-batches in flight and
+    recomputes its forward in backward (one micro-batch's activations and weight copies at a
+    time, one more forward's time).
+
+    ``sharding`` ("zero3" / "zero2", :attr:`replica.layout.Layout.sharding`) shards weights,
+    gradients and optimizer state over ``shards`` data-parallel replicas (torch's FSDP2, as
+    :mod:`replica.pipeline.sharding` runs it), each a ``1/shards`` slice; buffers stay whole.
+    FSDP gathers the weights in ``gather_dtype`` (its ``MixedPrecisionPolicy.param_dtype``:
+    "bfloat16" under bf16 autocast; None: their own dtype), which autocast then reads without
+    copying, so a sharded stage holds no autocast weight copies. What the step keeps gathered:
+
+    - with one micro-batch, under zero3, the units in flight (:func:`units_in_flight`: the
+      stage's root unit and two blocks, the running one and the one prefetched), weights and
+      unsharded gradients (these until their reduce-scatter ends); under zero2 the whole
+      stage's gathered weights (kept from forward to backward) and the units' gradients;
+    - with several micro-batches, under both, the whole stage's gathered weights and
+      unsharded gradients: every backward but the step's last keeps the weights gathered and
+      accumulates unsharded gradients, so that a step reduce-scatters each gradient once.
+    """
 
     optimizer: str = "adam"
-    mixed_precision: bool = False
     recompute: bool = False
+    sharding: str = "none"
+    shards: int = 1
+    gather_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in _OPTIMIZER_STATES:
             raise ConfigError(f"unknown optimizer {self.optimizer!r} for memory; one of {sorted(_OPTIMIZER_STATES)}")
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(f"sharding must be one of {list(SHARDINGS)}, got {self.sharding!r}")
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise ConfigError(f"shards must be a positive int, got {self.shards!r}")
 
-    def optimizer_bytes(self, numel: int) -> int:
-        return numel * 4 * (_OPTIMIZER_STATES[self.optimizer] + (1 if self.mixed_precision else 0))
+    @property
+    def sharded(self) -> bool:
+        return self.sharding != "none"
+
+    def optimizer_bytes(self, weight_bytes: int) -> int:
+        """The optimizer's states for weights of ``weight_bytes``: each state the size of its weights."""
+        return _OPTIMIZER_STATES[self.optimizer] * weight_bytes
+
+    def gathered_bytes(self, info: ParameterInfo) -> int:
+        """Bytes of one parameter as FSDP gathers it (in ``gather_dtype`` if it is floating)."""
+        if self.gather_dtype is None or info.is_buffer or not TensorInfo((), info.dtype).is_floating:
+            return info.nbytes
+        return TensorInfo(info.shape, self.gather_dtype).nbytes
+
+    def held(self, weights: Any, gathered: Any, buffers: Any, units: tuple[float, float],
+             accumulating: bool) -> tuple[Any, Any, Any]:
+        """(weights and buffers, gradients, optimizer state) a stage of ``weights`` bytes of
+        weights (``gathered`` as FSDP gathers them) and ``buffers`` holds over a step; numbers
+        or numpy arrays of them. ``units`` (gathered weights, gradients) is what the units in
+        flight hold at most, ``accumulating`` whether the step has several micro-batches."""
+        optimizer = self.optimizer_bytes(weights)
+        if not self.sharded:
+            return weights + buffers, weights, optimizer
+        d = self.shards
+        if accumulating:
+            kept_weights, kept_grads = gathered, weights
+        else:
+            kept_weights = gathered if self.sharding == "zero2" else np.minimum(units[0], gathered)
+            kept_grads = np.minimum(units[1], weights)
+        return weights / d + kept_weights + buffers, weights / d + kept_grads, optimizer / d
+
+
+def weight_copy_bytes(graph: Graph, nodes: Sequence[Node]) -> int:
+    """Bytes of the weight copies autocast makes for ``nodes`` in one forward: each
+    (parameter, dtype) once, however many of the ops read it."""
+    copies = dict.fromkeys(c for n in nodes for c in n.weight_casts)
+    return sum(TensorInfo(graph.parameters[p].shape, dtype).nbytes for p, dtype in copies)
+
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # as replica.pipeline.sharding groups leaves into units
+
+
+def fsdp_unit(name: str) -> str:
+    """The FSDP unit the runtime puts parameter ``name`` in: its block (the first
+    ``<container>.<index>`` of its path, ``model.layers.3``), else "" for the stage's root unit."""
+    m = _BLOCK.match(name)
+    return m[1] if m else ""
+
+
+def units_in_flight(graph: Graph, memory_model: MemoryModel) -> tuple[float, float]:
+    """(gathered weights, unsharded gradients) in bytes of the FSDP units a zero3 stage holds
+    at once: its root unit (gathered for the whole forward) and two blocks (the one running
+    and the one prefetched). Counted on the whole model, the largest block twice and every
+    root parameter: exact for one stage, a little over for a pipeline stage's share."""
+    gathered: dict[str, float] = {}
+    grads: dict[str, float] = {}
+    for info in graph.parameters.values():
+        if not info.is_buffer:
+            unit = fsdp_unit(info.name)
+            gathered[unit] = gathered.get(unit, 0) + memory_model.gathered_bytes(info)
+            grads[unit] = grads.get(unit, 0) + info.nbytes
+    blocks = [u for u in gathered if u]
+    block = max(blocks, key=lambda u: grads[u], default=None)
+    return (gathered.get("", 0) + (2 * gathered[block] if block else 0),
+            grads.get("", 0) + (2 * grads[block] if block else 0))
+
+
+def _state_bytes(graph: Graph, names: Sequence[str], memory_model: MemoryModel, units: tuple[float, float],
+                 accumulating: bool) -> tuple[int, int, int]:
+    """(weights and buffers, gradients, optimizer state) of a stage holding parameters ``names``."""
+    infos = [graph.parameters[p] for p in names]
+    weights = sum(p.nbytes for p in infos if not p.is_buffer)
+    gathered = sum(memory_model.gathered_bytes(p) for p in infos if not p.is_buffer)
+    buffers = sum(p.nbytes for p in infos if p.is_buffer)
+    held = memory_model.held(weights, gathered, buffers, units, accumulating)
+    return int(held[0]), int(held[1]), int(held[2])
+
+
+def _saved_bytes(graph: Graph, members: Sequence[Node], cm: CostModel, m: int, memory_model: MemoryModel) -> int:
+    """What the whole batch's backward keeps on a stage of ``members``: each micro-batch's
+    activations, and autocast's weight copies where FSDP does not gather the weights already cast."""
+    saved = int(cm.scaled(sum(n.output_bytes for n in members if saves_activation(n))))
+    return saved + (0 if memory_model.sharded else m * weight_copy_bytes(graph, members))
+
+
+def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
+    """``plan`` with every stage's memory as ``memory_model`` shards it: the state slices and
+    what stays gathered, and, from a plan described unsharded, no autocast weight copies. The
+    cuts and times stay: sharding moves no op."""
+    if not memory_model.sharded:
+        return plan
+    units = units_in_flight(graph, memory_model)
+    m = plan.num_microbatches
+    stages = []
+    for st in plan.stages:
+        parameters, gradients, optimizer = _state_bytes(graph, st.parameter_names, memory_model, units, m > 1)
+        copies = 0 if plan.layout.sharded else m * weight_copy_bytes(graph, [graph[n] for n in st.node_names])
+        received = sum(b.nbytes for b in st.inputs)
+        kept = st.memory.activations - received  # saved bytes x micro-batches held / m
+        activations = received + (int(kept * (st.activation_bytes - copies) / st.activation_bytes)
+                                  if st.activation_bytes else kept)
+        stages.append(dataclasses.replace(
+            st, activation_bytes=st.activation_bytes - copies,
+            memory=MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer=optimizer,
+                                   activations=activations)))
+    return dataclasses.replace(plan, stages=tuple(stages))
 
 
 def fingerprint(graph: Graph) -> str:
@@ -275,27 +417,41 @@ def _memory_matrices(
     graph: Graph, seg_of: np.ndarray, num_seg: int, memory_model: MemoryModel, m: int, fraction: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per stage ``[i, j)`` of segments: bytes of weights + gradients + optimizer state (each
-    parameter once, wherever it is read), of activations per micro-batch, and of the
-    receive buffers (every micro-batch's inputs, posted up front)."""
+    parameter once, wherever it is read; as ``memory_model`` shards them), per micro-batch in
+    flight (activations and autocast's weight copies), and of the receive buffers (every
+    micro-batch's inputs, posted up front)."""
     nodes = graph.nodes
     n = num_seg
-    d = np.zeros((n + 2, n + 2))
+    # per parameter read in [i, j): its bytes as a weight, as FSDP gathers it, as a buffer
+    reads = {kind: np.zeros((n + 2, n + 2)) for kind in ("weights", "gathered", "buffers")}
+    copies_d = np.zeros((n + 2, n + 2))
     uses: dict[str, list[int]] = {}
+    casts: dict[tuple[str, str], list[int]] = {}
     for i, x in enumerate(nodes):
         for p in (*x.parameters, *x.buffers):
             uses.setdefault(p, []).append(int(seg_of[i]))
+        for cast in x.weight_casts:
+            casts.setdefault(cast, []).append(int(seg_of[i]))
     for name, where in uses.items():
         info = graph.parameters[name]
-        numel = info.nbytes // max(1, TensorInfo((), info.dtype).nbytes)
-        held = info.nbytes if info.is_buffer else 2 * info.nbytes + memory_model.optimizer_bytes(numel)
-        _add_reads(d, -1, sorted(set(where)), n, held)  # held by [i, j) iff some use falls inside
-    static = np.cumsum(np.cumsum(d, axis=0), axis=1)[: n + 1, : n + 1]
+        where = sorted(set(where))  # held by [i, j) iff some use falls inside
+        if info.is_buffer:
+            _add_reads(reads["buffers"], -1, where, n, info.nbytes)
+        else:
+            _add_reads(reads["weights"], -1, where, n, info.nbytes)
+            _add_reads(reads["gathered"], -1, where, n, memory_model.gathered_bytes(info))
+    if not memory_model.sharded:  # FSDP gathers the weights already cast: autocast copies none
+        for (name, dtype), where in casts.items():
+            _add_reads(copies_d, -1, sorted(set(where)), n, TensorInfo(graph.parameters[name].shape, dtype).nbytes)
+    weights, gathered, buffers = (np.cumsum(np.cumsum(d, axis=0), axis=1)[: n + 1, : n + 1] for d in reads.values())
+    static = sum(memory_model.held(weights, gathered, buffers, units_in_flight(graph, memory_model), m > 1))
+    copies = np.cumsum(np.cumsum(copies_d, axis=0), axis=1)[: n + 1, : n + 1]
     per_seg = np.zeros(n)
     for i, x in enumerate(nodes):
         if saves_activation(x):
             per_seg[seg_of[i]] += x.output_bytes * fraction / m
     prefix = np.concatenate([[0.0], np.cumsum(per_seg)])
-    activation = np.maximum(prefix[None, :] - prefix[:, None], 0.0)
+    activation = np.maximum(prefix[None, :] - prefix[:, None], 0.0) + copies
     index = {x.name: i for i, x in enumerate(nodes)}
     recv_d = np.zeros((n + 2, n + 2))
     for i, x in enumerate(nodes):
@@ -382,16 +538,14 @@ def _describe(
             incoming[k].append(b)
 
     held = held_tensors(graph, [nodes[bounds[k]:bounds[k + 1]] for k in range(num_stages)])
+    units = units_in_flight(graph, memory_model)
     stages = []
     for k in range(num_stages):
         cm = models[k]
         members = nodes[bounds[k]:bounds[k + 1]]
         params = held[k]
-        infos = [graph.parameters[p] for p in params]
-        weight_bytes = sum(p.nbytes for p in infos if not p.is_buffer)
-        numel = sum(p.nbytes // max(1, TensorInfo((), p.dtype).nbytes) for p in infos if not p.is_buffer)
-        buffer_bytes = sum(p.nbytes for p in infos if p.is_buffer)
-        saved = int(cm.scaled(sum(n.output_bytes for n in members if saves_activation(n))))
+        parameters, gradients, optimizer = _state_bytes(graph, params, memory_model, units, m > 1)
+        saved = _saved_bytes(graph, members, cm, m, memory_model)
         received = sum(b.nbytes for b in incoming[k])
         # the per-call part: what a call costs whatever the micro-batch size
         fixed_fwd = sum(cm.call_overhead(n) for n in members)
@@ -411,9 +565,9 @@ def _describe(
             backward_time_s=bwd,
             communication_time_s=comm,
             memory=MemoryBreakdown(
-                parameters=weight_bytes + buffer_bytes,
-                gradients=weight_bytes,
-                optimizer=memory_model.optimizer_bytes(numel),
+                parameters=parameters,
+                gradients=gradients,
+                optimizer=optimizer,
                 activations=int(saved * (1 if memory_model.recompute else flights[k]) / m + received),
             ),
             inputs=tuple(incoming[k]),

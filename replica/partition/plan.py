@@ -63,9 +63,17 @@ class StagePlan:
     module_paths: tuple[str, ...] = ()
     num_ops: int = 0
     device: str = ""
+    # what the stage's backwards keep over the whole step: its saved activations (at the
+    # traced batch) and, under autocast, each micro-batch's copies of the weights it casts
     activation_bytes: int = 0
     fixed_forward_s: float = 0.0
     fixed_backward_s: float = 0.0
+    # the stage's data-parallel collectives over one step (replica.planner.dataparallel): the
+    # gradients' all-reduce of a replicated stage; the ``gathers`` all-gathers of its weights and
+    # the reduce-scatter of its gradients of a sharded one; and what of them its compute does not hide
+    collective_s: float = 0.0
+    exposed_collective_s: float = 0.0
+    gathers: int = 0
 
     @property
     def predicted_time_s(self) -> float:
@@ -116,6 +124,14 @@ class Plan:
     # worked out once by the planner from the final plan: the runtimes, the simulator and
     # the report all read these (replica.pipeline.schedule.plan_schedule); () to derive them
     actions: tuple[tuple[str, ...], ...] = ()
+    # what the stages compute in (replica.precision): "fp32", the weights' own dtype, or
+    # "bf16" / "fp16" autocast, priced at the device's half-precision rate and in autocast's
+    # dtypes (plans saved before this field read as "fp32")
+    precision: str = "fp32"
+    # the data-parallel collectives of the rank that waits longest for them, over one step:
+    # all of them, and what its compute does not hide (in predicted_step_time_s)
+    collective_s: float = 0.0
+    exposed_collective_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -172,6 +188,30 @@ class Plan:
         """The kinds of ops whose outputs ``stage_index`` rebuilds in backward, unasked."""
         return frozenset(kind for k, kind in self.rebuilds if k == stage_index)
 
+    @property
+    def precision_note(self) -> str:
+        """One line on what the stages compute in, for the summary and the report."""
+        if self.precision == "fp32":
+            return "precision: the weights' own dtype (no autocast)"
+        return f"precision: {self.precision} autocast (weights, gradients and optimizer state in the weights' dtype)"
+
+    @property
+    def data_parallel_note(self) -> str:
+        """One line on the data-parallel replicas and their collectives ("" with one replica)."""
+        d = self.data_parallel_size
+        if d == 1:
+            return ""
+        times = (f"{_seconds(self.collective_s)} of collectives a step on the busiest rank, "
+                 f"{_seconds(self.exposed_collective_s)} of it not hidden behind compute")
+        if not self.layout.sharded:
+            return f"data parallel: {d} replicas, gradients all-reduced once a step: {times}"
+        gathers = sorted({s.gathers for s in self.stages})
+        count = str(gathers[0]) if len(gathers) == 1 else f"{gathers[0]}-{gathers[-1]}"
+        dtype = " in bf16" if self.precision == "bf16" else " in fp16" if self.precision == "fp16" else ""
+        return (f"data parallel: {d} {self.layout.sharding}-sharded replicas (FSDP2): each stage's weights "
+                f"all-gathered{dtype} {count} time{'s' if count != '1' else ''} a step, its gradients "
+                f"reduce-scattered once: {times}")
+
     def stage_of(self, node_name: str) -> int:
         for s in self.stages:
             if node_name in s.node_names:
@@ -209,6 +249,8 @@ class Plan:
                     num_ops=s.get("num_ops", 0), device=s.get("device", ""),
                     activation_bytes=s.get("activation_bytes", 0),
                     fixed_forward_s=s.get("fixed_forward_s", 0.0), fixed_backward_s=s.get("fixed_backward_s", 0.0),
+                    collective_s=s.get("collective_s", 0.0), exposed_collective_s=s.get("exposed_collective_s", 0.0),
+                    gathers=s.get("gathers", 0),
                 )
                 for s in data.pop("stages")
             )
@@ -245,6 +287,7 @@ class Plan:
                 for kind in kinds)
         table = Table(title=(
             f"{self.model_name}: {self.num_stages} stages × {self.data_parallel_size} "
+            f"{self.layout.sharding + '-sharded ' if self.layout.sharded else ''}"
             f"replica{'s' if self.data_parallel_size != 1 else ''}, "
             f"{self.num_microbatches} micro-batches, {self.schedule}"
             f"{', recomputing activations' if self.recompute else ''}{rebuild}, on {self.device}"
@@ -267,6 +310,9 @@ class Plan:
             f"{_seconds(self.bottleneck_s)}, balance {self.balance:.2f} (1.00 = perfect), "
             f"bubble {self.bubble_fraction:.0%}"
         )
+        lines.append(self.precision_note)
+        if self.data_parallel_note:
+            lines.append(self.data_parallel_note)
         if self.microbatch_shares:
             share = " / ".join(f"{x:.0%}" for x in self.microbatch_shares)
             lines.append(f"graded micro-batches (shares of the batch, in order): {share}")
@@ -277,7 +323,8 @@ class Plan:
         if self.model_flops and self.predicted_step_time_s > 0:
             devices = self.layout.world_size
             per_device = self.model_flops / self.predicted_step_time_s / max(1, devices)
-            mfu = f", {per_device / self.device_peak_flops:.0%} model-FLOPs utilisation" if self.device_peak_flops else ""
+            mfu = (f", {per_device / self.device_peak_flops:.0%} model-FLOPs utilisation"
+                   if self.device_peak_flops else "")
             lines.append(f"predicted {per_device / 1e12:.1f} TFLOP/s per device{mfu}")
         if self.dynamic_dims:
             lines.append("dynamic dims per input (others fixed by torch.export): " + "; ".join(

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from replica.partition.mutation import mutates_first_argument
 from replica.partition.pure import untouched, written_parameters
+from replica.precision import autocast_for, precision_name
 
 __all__ = ["OpTimes", "profile"]
 
@@ -61,27 +62,40 @@ def _describe(value: Any) -> str:
 
 
 class _Profiler(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, repeats: int, cache: dict[str, list[float]]) -> None:
+    """Times each op as it runs, under ``precision``'s autocast on ``device``: forwards (and
+    the forward a backward is timed from) inside it, backwards outside, as torch's recipe
+    runs them; the next op's inputs are the values autocast gives."""
+
+    def __init__(self, gm: fx.GraphModule, repeats: int, cache: dict[str, list[float]], precision: str,
+                 device: torch.device) -> None:
         super().__init__(gm)
         self.repeats = repeats
         self.times: dict[str, OpTimes] = {}
         self.keys: dict[str, str] = {}  # node -> its cache key
         self.cache = cache
+        self.precision, self.device = precision, device
 
     def signature(self, n: fx.Node, args: Any, kwargs: Any) -> str:
-        """What an op's time depends on: the op, its module's type and weights, its inputs' shapes."""
+        """What an op's time depends on: the op, its module's type and weights, its inputs' shapes
+        and the autocast it runs under."""
         if n.op == "call_module":
             module = self.module.get_submodule(str(n.target))
             what = f"{type(module).__name__}{_describe([p for p in module.parameters()])}{module.extra_repr()}"
         else:
             what = f"{n.op}:{getattr(n.target, '__name__', str(n.target))}"
-        return f"{what}|{_describe(args)}|{_describe(kwargs)}"
+        autocast = "" if self.precision == "fp32" else f"|autocast {self.precision}"
+        return f"{what}|{_describe(args)}|{_describe(kwargs)}{autocast}"
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in ("call_function", "call_method", "call_module"):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        call = getattr(self, n.op)
+        op = getattr(self, n.op)
+
+        def call(target: Any, a: Any, k: Any) -> Any:
+            with autocast_for(self.device, self.precision):
+                return op(target, a, k)
+
         key = self.keys[n.name] = self.signature(n, args, kwargs)
         if key in self.cache:  # timed before with these shapes on this device
             self.times[n.name] = OpTimes(*self.cache[key])
@@ -152,10 +166,12 @@ def _save_cache(cache: dict[str, list[float]], use: bool) -> None:
         pass  # a read-only home still profiles, just every time
 
 
-def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3, cache: bool = True) -> dict[str, OpTimes]:
+def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3, cache: bool = True,
+            precision: str = "fp32") -> dict[str, OpTimes]:
     """Run ``gm`` op by op on ``inputs`` (one micro-batch, real tensors on the device the
     model lives on), timing each op's forward and backward as the best of ``repeats``;
-    again on half of it, to tell the fixed cost of a call from the work per sample.
+    again on half of it, to tell the fixed cost of a call from the work per sample. Under a
+    ``precision`` of "bf16" / "fp16" each forward runs in that autocast, as the stages will.
 
     A busy machine can slow every repeat of an op: an op whose two sizes' times disagree
     with any sane scaling (:func:`_implausible`) is timed again at both, up to ``RETRIES``
@@ -167,21 +183,28 @@ def profile(gm: fx.GraphModule, inputs: Sequence[Any], *, repeats: int = 3, cach
     Gradients are computed with ``torch.autograd.grad``: nothing accumulates into ``.grad``,
     and the model is left as it was (:func:`~replica.partition.pure.untouched`): a BatchNorm's
     statistics, the random generators a dropout draws from, the modules' modes.
-    With ``cache``, times are kept per op signature (op, weights, input shapes) and device in
+    With ``cache``, times are kept per op signature (op, weights, input shapes, autocast) and device in
     ``~/.cache/replica`` (``REPLICA_CACHE_DIR``): a repeated op, or a re-plan, is not re-timed.
     """
+    tensors = [*gm.parameters(), *(x for x in inputs if isinstance(x, torch.Tensor))]
+    device = tensors[0].device if tensors else torch.device("cpu")
     with untouched(gm, written_parameters(gm)):
-        return _profile(gm, inputs, repeats, cache)
+        return _profile(gm, inputs, repeats, cache, precision_name(precision, argument="precision"), device)
 
 
-def _profile(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int, cache: bool) -> dict[str, OpTimes]:
+def _profile(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int, cache: bool, precision: str,
+             device: torch.device) -> dict[str, OpTimes]:
     store = _load_cache(cache)
     half = _halve(inputs)
-    times, keys = _times(gm, inputs, repeats, store)
+
+    def timed(x: Sequence[Any]) -> tuple[dict[str, OpTimes], dict[str, str]]:
+        return _times(gm, x, repeats, store, precision=precision, device=device)
+
+    times, keys = timed(inputs)
     if half is None:
         _save_cache(store, cache)
         return times
-    small, small_keys = _times(gm, half, repeats, store)
+    small, small_keys = timed(half)
     for attempt in range(RETRIES + 1):
         suspect = [name for name, t in times.items() if name in small and _implausible(t, small[name])]
         if not suspect:
@@ -195,8 +218,8 @@ def _profile(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int, cache: boo
                 for key in (keys[name], small_keys[name]):
                     if key in store:
                         kept[key] = store.pop(key)
-            _times(gm, inputs, repeats, store)
-            _times(gm, half, repeats, store)
+            timed(inputs)
+            timed(half)
             for key, old in kept.items():
                 new = store.get(key, old)
                 store[key] = [b if a < 0 or b < 0 else min(a, b) for a, b in zip(old, new)]
@@ -253,10 +276,10 @@ def _halve(inputs: Sequence[Any]) -> tuple[Any, ...] | None:
     return tuple(x[:n] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in inputs)
 
 
-def _times(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int,
-           cache: dict[str, list[float]]) -> tuple[dict[str, OpTimes], dict[str, str]]:
-    """Each op's times on ``inputs``, and its cache key."""
-    profiler = _Profiler(gm, repeats, cache)
+def _times(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int, cache: dict[str, list[float]], *,
+           precision: str, device: torch.device) -> tuple[dict[str, OpTimes], dict[str, str]]:
+    """Each op's times on ``inputs`` under ``precision`` on ``device``, and its cache key."""
+    profiler = _Profiler(gm, repeats, cache, precision, device)
     with torch.enable_grad():
         profiler.run(*inputs)
     return {name: _op_times((t.forward_s, t.backward_s)) for name, t in profiler.times.items()}, profiler.keys

@@ -62,9 +62,7 @@ class Recorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("call_function", "call_method", "call_module"):
-            with FlopCounterMode(display=False) as counter:
-                result = super().run_node(n)
-            self.flops[n.name] = float(counter.get_total_flops())
+            result = self.call(n)
         else:
             result = super().run_node(n)
             self.flops[n.name] = 0.0
@@ -72,6 +70,13 @@ class Recorder(fx.Interpreter):
         self.kinds[n.name] = (
             "tensor" if isinstance(result, torch.Tensor) else "container" if self.outputs[n.name] else "value"
         )
+        return result
+
+    def call(self, n: fx.Node) -> Any:
+        """Run the op ``n``, counting its FLOPs."""
+        with FlopCounterMode(display=False) as counter:
+            result = super().run_node(n)
+        self.flops[n.name] = float(counter.get_total_flops())
         return result
 
 

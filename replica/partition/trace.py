@@ -21,15 +21,28 @@ from replica.partition.mutation import make_writes_explicit, view_writes
 from replica.partition.pure import untouched
 from replica.partition.record import record, user_frame
 
-__all__ = ["Traced", "trace", "normalize_inputs"]
+__all__ = ["Traced", "trace", "normalize_inputs", "bytes_moved"]
 
 
-# Ops that only re-label memory: they move no bytes worth pricing.
+# Ops that only re-label memory: they move no bytes worth pricing (by name; torch.export's
+# graphs name the overload too, "view.default", "slice.Tensor": the name is the part before the dot)
 _VIEW_OPS = frozenset(
     "getitem getattr size dim view reshape flatten unflatten squeeze unsqueeze transpose permute "
     "expand expand_as split chunk unbind narrow select t contiguous view_as type_as to float "
-    "detach identity dropout".split()
+    "detach identity dropout slice alias unsafe_view as_strided split_with_sizes".split()
 )
+
+
+def bytes_moved(op: str, kind: str, read: float, written: float, weights: float) -> float:
+    """Bytes an op moves through memory: the tensors it reads and writes and the weights and
+    buffers it reads (an embedding reads only the rows it looks up, about what it writes).
+    Views, the graph's inputs and its output move none."""
+    name = op.partition(".")[0]
+    if name in _VIEW_OPS or kind != OP:
+        return 0.0
+    if name == "embedding":
+        return float(read + 2 * written)
+    return float(read + written + weights)
 
 
 @dataclass
@@ -303,21 +316,12 @@ def _trace(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str
                 inputs_.append(a.name)
         outputs = recorder.outputs.get(n.name, ())
         op = _op_name(n, module)
-        if op in _VIEW_OPS or n.op in ("placeholder", "output"):
-            moved = 0.0
-        elif op == "embedding":  # reads the looked-up rows, not the whole table
-            moved = float(sum(t.nbytes for a in inputs_ for t in recorder.outputs.get(a, ()))
-                          + 2 * sum(t.nbytes for t in outputs))
-        else:
-            moved = float(
-                sum(t.nbytes for a in inputs_ for t in recorder.outputs.get(a, ()))
-                + sum(t.nbytes for t in outputs)
-                + sum(infos[p].nbytes for p in dict.fromkeys(params + bufs))
-            )
+        kind = INPUT if n.op == "placeholder" else OUTPUT if n.op == "output" else OP
+        moved = bytes_moved(op, kind, sum(t.nbytes for a in inputs_ for t in recorder.outputs.get(a, ())),
+                            sum(t.nbytes for t in outputs), sum(infos[p].nbytes for p in dict.fromkeys(params + bufs)))
         stack = n.meta.get("nn_module_stack") or {}
         path = str(n.target) if n.op == "call_module" else (next(reversed(stack.values()))[0] if stack else "")
         path = "" if path.startswith("_") else path
-        kind = INPUT if n.op == "placeholder" else OUTPUT if n.op == "output" else OP
         nodes.append(Node(
             name=n.name, kind=kind, target=op, module_path=path, inputs=tuple(dict.fromkeys(inputs_)),
             outputs=outputs, value_kind=recorder.kinds.get(n.name, "value"), writes_into=pinned.get(n.name),

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
-from replica.errors import ConfigError
-from replica.layout import Layout, schedule_kind
+from replica.errors import ConfigError, PartitionError
+from replica.layout import SHARDINGS, Layout, schedule_kind
 from replica.partition.partitioner import MemoryModel
 from replica.partition.plan import Plan
 from replica.partition.trace import Traced
@@ -24,6 +24,7 @@ from replica.planner.options import PlannerOptions
 from replica.planner.pricing import Pricing, default_microbatches
 from replica.planner.refine import finish
 from replica.planner.tuner import tune
+from replica.precision import precision_name
 
 __all__ = ["PlanRequest", "PlannerOptions", "make_plan", "check_count"]
 
@@ -46,6 +47,12 @@ class PlanRequest:
     example inputs are: "global" (the batch the plain model would take; each replica
     trains its slice) or "per_rank" (each replica's own batch, as from a loader that
     already shards per rank: then the number of replicas must be fixed by the request).
+    ``precision`` is what the stages compute in (:mod:`replica.precision`): "fp32" (the
+    weights' own dtype) or "bf16" / "fp16" (autocast); any name ``precision_name`` takes.
+    ``sharded_data_parallel``: whether the data-parallel replicas shard their stages (FSDP2,
+    :attr:`replica.layout.Layout.sharding`): None lets the planner weigh "none", "zero3" and
+    "zero2" like the rest of the layout; True shards (zero3 or zero2, whichever it predicts
+    faster within memory); False never does; a name of :data:`~replica.layout.SHARDINGS` fixes it.
     """
 
     world_size: int | None = None
@@ -60,7 +67,8 @@ class PlanRequest:
     recompute: bool | str | None = None
     graded_microbatches: bool = True
     optimizer: str = "adam"
-    mixed_precision: bool = False
+    precision: str = "fp32"
+    sharded_data_parallel: bool | str | None = None
     batch: str = "global"
     options: PlannerOptions = dataclasses.field(default_factory=PlannerOptions)
 
@@ -76,6 +84,10 @@ class PlanRequest:
         if not (isinstance(name, str) and name.lower() == "auto"):
             name = schedule_kind(name).name
         object.__setattr__(self, "schedule", name.lower())
+        object.__setattr__(self, "precision", precision_name(self.precision, argument="precision"))
+        if not (self.sharded_data_parallel in (None, True, False) or self.sharded_data_parallel in SHARDINGS):
+            raise ConfigError(f"sharded_data_parallel must be True, False, None (the planner decides) or one of "
+                              f"{list(SHARDINGS)}, got {self.sharded_data_parallel!r}")
         if not (self.recompute is None or isinstance(self.recompute, bool) or self.recompute == "pointwise"):
             raise ConfigError(
                 f"recompute must be True (keep only stage inputs, run the forward again in backward), "
@@ -106,6 +118,16 @@ class PlanRequest:
             return True
         return self.world_size is not None and (self.num_stages is None or self.num_microbatches is None)
 
+    @property
+    def shardings(self) -> tuple[str, ...]:
+        """The shardings of the replicas the planner may choose from."""
+        asked = self.sharded_data_parallel
+        if asked is None:
+            return SHARDINGS
+        if isinstance(asked, str):
+            return (asked,)
+        return ("zero3", "zero2") if asked else ("none",)
+
     def replicas_fixed(self) -> int | None:
         """The data-parallel replicas the request fixes, or None where the tuner picks them."""
         if self.world_size is None:
@@ -120,6 +142,8 @@ class PlanRequest:
 def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> Plan:
     """The plan of ``traced`` (from ``model``) that ``request`` asks for."""
     r = request
+    if "none" not in r.shardings:
+        _check_shardable(r)
     scale = 1
     if r.batch == "per_rank":
         fixed = r.replicas_fixed()
@@ -131,7 +155,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
             )
         scale = fixed
     pricing = Pricing(traced, model, device=r.device, cost=r.cost, memory_budget=r.memory_budget,
-                      memory_model=MemoryModel(optimizer=r.optimizer, mixed_precision=r.mixed_precision),
+                      memory_model=MemoryModel(optimizer=r.optimizer), precision=r.precision,
                       num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
                       graded=r.graded_microbatches, options=r.options, batch_scale=scale)
     full = r.recompute if isinstance(r.recompute, bool) or r.recompute is None else False
@@ -141,11 +165,13 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
         schedules = None if r.schedule == "auto" else (r.schedule,)
         best, _ = tune(lambda layout, m, within, again: pricing.partition_for(layout, m, within_budget=within,
                                                                                 recompute=again),
+                       lambda plan, layout, schedule: pricing.collectives(pricing.reshard(plan, layout), layout,
+                                                                          schedule),
                        world_size=world, batch=pricing.global_batch, num_ops=len(traced.graph.op_nodes),
                        device=pricing.spec, memory_budget=pricing.budget_per_device(), num_stages=r.num_stages,
                        num_microbatches=r.num_microbatches, data_parallel_size=r.replicas_fixed(),
-                       recompute=(False, True) if full is None else (full,), options=r.options,
-                       **({} if schedules is None else {"schedules": schedules}))
+                       recompute=(False, True) if full is None else (full,), shardings=r.shardings,
+                       options=r.options, **({} if schedules is None else {"schedules": schedules}))
         plan = best
     else:
         if r.world_size is None:
@@ -155,10 +181,49 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                                       data_parallel_size=r.data_parallel_size)
         m = r.num_microbatches or default_microbatches(pricing.global_batch // layout.data_parallel_size,
                                                        layout.num_stages)
-        plan = pricing.partition_for(layout, m, recompute=bool(full))
+        plan = _shard_fixed(pricing, layout, m, bool(full), r.shardings, r.options.tie)
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
     if r.recompute == "pointwise" and not plan.recompute:
         plan = dataclasses.replace(plan, pointwise_recompute=True)
     # the action lists, once, from the final plan: every rank, the simulator and the report read them
     actions = tuple(tuple(str(a) for a in rank) for rank in plan_schedule(plan))
     return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims, actions=actions)
+
+
+def _check_shardable(r: PlanRequest) -> None:
+    """A request that must shard names a layout sharding can run: replicas, and a schedule
+    that does not split backward."""
+    if r.schedule != "auto" and schedule_kind(r.schedule).splits_backward:
+        raise ConfigError(
+            f"sharded data parallelism (sharded_data_parallel={r.sharded_data_parallel!r}) cannot run the zero-bubble "
+            f"schedule {r.schedule!r} yet: FSDP reduces a weight's gradient when autograd makes it, before a deferred "
+            "W action. Use gpipe, 1f1b or interleaved with sharding, or schedule='auto'")
+    if r.replicas_fixed() == 1:
+        raise ConfigError(
+            f"sharded_data_parallel={r.sharded_data_parallel!r} shards each stage over its data-parallel replicas, "
+            "but this layout has one: give world_size= (and num_stages= or data_parallel_size=) that leaves "
+            "replicas, or sharded_data_parallel=None / False")
+
+
+def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, shardings: Sequence[str],
+                 tie: float) -> Plan:
+    """The plan of a layout the request fixed, with the fastest of ``shardings`` it allows
+    that fits (predictions within ``tie`` of it: whole replicas if among them, then the one
+    holding least memory, as the tuner takes). Where none fits, the error of the leanest
+    (zero3's, where it was tried)."""
+    kind = schedule_kind(layout.schedule)
+    allowed = [s for s in shardings if s == "none" or (layout.data_parallel_size > 1 and not kind.splits_backward)]
+    plans: list[Plan] = []
+    errors: dict[str, PartitionError] = {}
+    for sharding in allowed:
+        try:
+            plans.append(pricing.partition_for(dataclasses.replace(layout, sharding=sharding), m,
+                                               recompute=recompute))
+        except PartitionError as exc:
+            errors[sharding] = exc
+    if not plans:
+        raise errors.get("zero3", next(iter(errors.values())))
+    fastest = min(p.predicted_step_time_s for p in plans)
+    near = [p for p in plans if p.predicted_step_time_s <= fastest * (1 + tie)]
+    return min(near, key=lambda p: (p.layout.sharded, max(s.predicted_memory_bytes for s in p.stages),
+                                    p.predicted_step_time_s))

@@ -11,15 +11,19 @@ from torch.utils._pytree import tree_leaves
 
 from replica.errors import ConfigError
 from replica.layout import Layout
+from replica.partition.autocast import autocast_graph, target_device_type
 from replica.partition.cost import CostModel, DeviceSpec, device_spec, preset_for_cuda_device
-from replica.partition.partitioner import MemoryModel, partition
+from replica.partition.partitioner import MemoryModel, fsdp_unit, partition, reshard
 from replica.partition.plan import Plan
 from replica.partition.profile import profile
 from replica.partition.trace import Traced
 from replica.pipeline import microbatch
-from replica.pipeline.schedule import make_schedule, max_in_flight, placement, plan_schedule, splits_backward
+from replica.pipeline.schedule import (Schedule, make_schedule, max_in_flight, placement, plan_schedule,
+                                       splits_backward)
 from replica.pipeline.simulate import simulate, stage_costs_from_plan
+from replica.planner.dataparallel import StageWeights, with_collectives
 from replica.planner.options import PlannerOptions
+from replica.precision import autocast_dtype
 
 __all__ = ["Pricing", "default_microbatches"]
 
@@ -57,12 +61,16 @@ def is_real(model: torch.nn.Module, inputs: tuple[Any, ...]) -> bool:
 class Pricing:
     """Prices one traced model once (device specs, measured op times) and partitions it on
     demand for any layout and micro-batch count. ``batch`` is the traced batch; the global
-    batch is ``batch_scale`` times that (each replica's batch was traced: ``batch="per_rank"``)."""
+    batch is ``batch_scale`` times that (each replica's batch was traced: ``batch="per_rank"``).
+    Under a ``precision`` of "bf16" / "fp16" the graph priced is the traced one as it runs
+    under the device's autocast (:func:`~replica.partition.autocast.autocast_graph`), and a
+    profile times each op under that autocast too. Sharded replicas gather the weights in
+    that half precision (FSDP's ``MixedPrecisionPolicy.param_dtype``)."""
 
     def __init__(self, traced: Traced, model: torch.nn.Module, *, device: Any, cost: str,
                  memory_budget: float | Sequence[float] | None, memory_model: MemoryModel,
                  num_microbatches: int | None, num_stages_hint: int, graded: bool = True,
-                 options: PlannerOptions = PlannerOptions(), batch_scale: int = 1) -> None:
+                 options: PlannerOptions = PlannerOptions(), batch_scale: int = 1, precision: str = "fp32") -> None:
         if cost not in ("auto", "analytic", "profile"):
             raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {cost!r}")
         inputs = traced.example
@@ -72,7 +80,11 @@ class Pricing:
                 "cost='profile' times every op on real tensors, but the model or example_inputs are on the meta "
                 "device (or fake). Use cost='analytic' to plan without weights, or pass real tensors."
             )
-        self.traced, self.memory_model = traced, memory_model
+        half = autocast_dtype(precision)
+        self.traced = traced
+        self.memory_model = dataclasses.replace(
+            memory_model, gather_dtype=None if half is None else str(half).removeprefix("torch."))
+        self._weights: dict[tuple[str, ...], StageWeights] = {}
         self.graded, self.options = graded, options
         self.batch = microbatch.batch_size(inputs, "example_inputs")
         self.batch_scale = batch_scale
@@ -81,13 +93,15 @@ class Pricing:
         self.spec: DeviceSpec = device_spec(device if device is not None and self.devices is None else
                                             (self.devices[0] if self.devices else default_device(model)))
         self.dtype = model_dtype(model)
+        self.precision = precision
+        self.graph = autocast_graph(traced, model, target_device_type(self.spec), precision, real=real)
         self.measured: dict[Any, Any] = {}
         self.measured_fraction = 1.0
         if cost == "profile" or (cost == "auto" and real and device is None and num_stages_hint > 1):
             # Time each op on one micro-batch where the model lives: what the stages will run.
             m = min(self.batch, num_microbatches or default_microbatches(self.batch, num_stages_hint))
             sample = microbatch.split(inputs, m, "example_inputs")[0]
-            self.measured = profile(traced.module, sample)
+            self.measured = profile(traced.module, sample, precision=precision)
             self.measured_fraction = microbatch.batch_size(sample) / self.batch
         self.memory_budget = memory_budget
         if memory_budget is None and not self.measured:
@@ -116,6 +130,32 @@ class Pricing:
     def cost_model(self, spec: DeviceSpec, batch_fraction: float) -> CostModel:
         return CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
                          measured_fraction=self.measured_fraction)
+
+    def memory_model_for(self, layout: Layout, recompute: bool) -> MemoryModel:
+        """What a stage of ``layout`` keeps: sharded over its replicas where the layout shards."""
+        return dataclasses.replace(self.memory_model, recompute=recompute, sharding=layout.sharding,
+                                   shards=layout.data_parallel_size)
+
+    def reshard(self, plan: Plan, layout: Layout) -> Plan:
+        """``plan``, cut unsharded, with its stages' memory as ``layout``'s sharding holds it."""
+        return reshard(self.graph, plan, self.memory_model_for(layout, plan.recompute))
+
+    def stage_weights(self, parameter_names: tuple[str, ...]) -> StageWeights:
+        """What a stage holding ``parameter_names`` moves in its collectives."""
+        if parameter_names not in self._weights:
+            infos = [self.graph.parameters[p] for p in parameter_names]
+            weights = [p for p in infos if not p.is_buffer]
+            self._weights[parameter_names] = StageWeights(
+                nbytes=sum(p.nbytes for p in weights),
+                gathered_bytes=sum(self.memory_model.gathered_bytes(p) for p in weights),
+                units=len({fsdp_unit(p.name) for p in weights}))
+        return self._weights[parameter_names]
+
+    def collectives(self, plan: Plan, layout: Layout, schedule: Schedule) -> tuple[Plan, list[float]]:
+        """``plan`` with its data-parallel collectives in ``layout`` priced
+        (:mod:`replica.planner.dataparallel`), and the seconds each rank waits for them."""
+        weights = [self.stage_weights(st.parameter_names) for st in plan.stages]
+        return with_collectives(plan, layout, schedule, self.first_spec(), weights)
 
     def _early_fits(self, plan: Plan, where: dict[int, int]) -> bool:
         """Whether every rank still fits its budget holding, besides the plan's estimate, one
@@ -154,9 +194,8 @@ class Pricing:
         models = [by_spec.setdefault(id(sp), self.cost_model(sp, batch_fraction)) for sp in specs]
         schedule_data = make_schedule(layout.schedule, layout.num_stages, m, layout.pipeline_ranks)
         where = placement(schedule_data)
-        result = partition(self.traced.graph, models, num_stages=layout.num_stages, num_microbatches=m,
-                           schedule=layout.schedule,
-                           memory_model=dataclasses.replace(self.memory_model, recompute=recompute),
+        result = partition(self.graph, models, num_stages=layout.num_stages, num_microbatches=m,
+                           schedule=layout.schedule, memory_model=self.memory_model_for(layout, recompute),
                            memory_budget=self.memory_budget if within_budget else None,
                            in_flight=max_in_flight(schedule_data, layout.num_stages),
                            stage_ranks=[where[k] for k in range(layout.num_stages)])
@@ -164,9 +203,12 @@ class Pricing:
                                      early_input_grads=not recompute and self._early_fits(result, where))
         if splits_backward(schedule_data):  # order the zero-bubble actions by this plan's own times
             schedule_data = plan_schedule(result)
-        timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]))
+        result, waits = self.collectives(result, layout, schedule_data)
+        timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]),
+                            allreduce_s=waits)
         return dataclasses.replace(
-            result, predicted_step_time_s=timeline.step_time_s, simulated_bubble=timeline.bubble_fraction,
-            model_flops=3 * self.traced.graph.total_flops * batch_fraction * replicas,
+            result, precision=self.precision, predicted_step_time_s=timeline.step_time_s,
+            simulated_bubble=timeline.bubble_fraction,
+            model_flops=3 * self.graph.total_flops * batch_fraction * replicas,
             device_peak_flops=self.spec.datasheet_flops,  # 0 for a CPU: no utilisation figure
         )

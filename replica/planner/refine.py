@@ -117,7 +117,7 @@ def _rebuild_candidates(pricing: Pricing, plan: Plan,
     found: dict[tuple[int, str], tuple[float, int]] = {}
     if plan.recompute or plan.pointwise_recompute or plan.num_stages == 1:
         return found
-    by_name = {n.name: n for n in pricing.traced.graph.nodes}
+    by_name = {n.name: n for n in pricing.graph.nodes}
     specs = pricing.specs(plan.num_stages)
     for st, sp in zip(plan.stages, specs):
         cm = pricing.cost_model(sp, batch_fraction)

@@ -1,11 +1,13 @@
-"""The auto-tuner: pipeline ranks × replicas × micro-batches × schedule × split, by simulation.
+"""The auto-tuner: pipeline ranks × replicas × sharding × micro-batches × schedule × split, by simulation.
 
 For every way to factor the world into pipeline ranks and data-parallel replicas,
-the graph is partitioned once (per stage count); every schedule and micro-batch
-count is then priced by replaying its action lists in the simulator with the
-stages' costs scaled to the replica's batch, checked against the memory budget,
-and charged the data-parallel all-reduce. The fastest configuration that fits is
-partitioned again exactly for its own micro-batches and schedule.
+the graph is partitioned once (per stage count); every schedule, sharding of the
+replicas and micro-batch count is then priced by replaying its action lists in the
+simulator with the stages' costs scaled to the replica's batch, their memory as the
+sharding holds it checked against the memory budget, and charged what the replicas'
+collectives leave exposed (:mod:`replica.planner.dataparallel`). The fastest
+configuration that fits is partitioned again exactly for its own micro-batches,
+schedule and sharding.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from replica.errors import PartitionError, ScheduleError
 from replica.layout import TUNED_SCHEDULES, Layout, schedule_kind
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
-from replica.pipeline.schedule import WEIGHT_SHARE, durations_of, make_schedule, max_in_flight, stage_scale_of
+from replica.pipeline.schedule import (WEIGHT_SHARE, Schedule, durations_of, make_schedule, max_in_flight,
+                                       stage_scale_of)
 from replica.pipeline.simulate import StageCosts, simulate
 from replica.planner.options import PlannerOptions
 
@@ -61,21 +64,16 @@ def _microbatch_choices(batch: int, ranks: int, given: int | None, stages: int,
     return sorted(m for m in wanted if 1 <= m <= min(batch, cap))
 
 
-def _allreduce_s(stage_bytes: float, replicas: int, ranks: int, device: DeviceSpec) -> float:
-    """Ring all-reduce of a stage's gradients over its replicas."""
-    if replicas == 1:
-        return 0.0
-    crosses_nodes = ranks * replicas > device.devices_per_node
-    bandwidth = device.between_nodes_bandwidth if crosses_nodes else device.link_bandwidth
-    return 2 * (replicas - 1) / replicas * stage_bytes / bandwidth + 2 * (replicas - 1) * device.link_latency_s
+LayOut = Callable[[Plan, Layout, Schedule], tuple[Plan, list[float]]]
 
 
-def _evaluate(plan: Plan, layout: Layout, device: DeviceSpec, budget: float) -> Candidate | None:
+def _evaluate(plan: Plan, layout: Layout, device: DeviceSpec, budget: float, lay_out: LayOut) -> Candidate | None:
     """Price ``plan``'s stages (one replica's batch, priced for the plan's own micro-batch
-    count) in ``layout`` (its schedule, ranks and replicas), by simulation; memory per rank
-    from the schedule's own in-flight counts."""
+    count) in ``layout`` (its schedule, ranks, replicas and sharding: ``lay_out`` gives the
+    stages' memory and collectives there, and what each rank waits for them), by simulation;
+    memory per rank from the schedule's own in-flight counts."""
     m = plan.num_microbatches
-    ranks, replicas = layout.pipeline_ranks, layout.data_parallel_size
+    ranks = layout.pipeline_ranks
     try:
         forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
         schedule = make_schedule(layout.schedule, plan.num_stages, m, ranks, check=False,
@@ -83,12 +81,12 @@ def _evaluate(plan: Plan, layout: Layout, device: DeviceSpec, budget: float) -> 
                                  stage_scale=stage_scale_of(forward, backward))
     except ScheduleError:
         return None
+    plan, waits = lay_out(plan, layout, schedule)
     flights = max_in_flight(schedule, plan.num_stages)
     where = {a.stage_index: r for r, actions in enumerate(schedule) for a in actions}
     split = any(a.kind == "W" for actions in schedule for a in actions)
     costs = []
     memory = [0.0] * ranks
-    grads = [0.0] * ranks
     for s in plan.stages:
         k = s.stage_index
         forward, backward = s.forward_time_s / m, s.backward_time_s / m  # one micro-batch's
@@ -106,15 +104,14 @@ def _evaluate(plan: Plan, layout: Layout, device: DeviceSpec, budget: float) -> 
         ))
         held = 1 if plan.recompute else flights[k]
         memory[where[k]] += static + s.activation_bytes / m * held + sum(b.nbytes for b in s.inputs)
-        grads[where[k]] += s.memory.gradients
-    allreduce = [_allreduce_s(g, replicas, ranks, device) for g in grads]
-    timeline = simulate(schedule, costs, allreduce_s=allreduce)
+    timeline = simulate(schedule, costs, allreduce_s=waits)
     peak = int(max(memory))
     return Candidate(layout, m, timeline.step_time_s, peak, peak <= budget, plan.recompute, timeline.bubble_fraction)
 
 
 def tune(
     partition_for: Callable[[Layout, int, bool, bool], Plan],
+    lay_out: LayOut,
     *,
     world_size: int,
     batch: int,
@@ -126,15 +123,19 @@ def tune(
     schedules: Sequence[str] = TUNED_SCHEDULES,
     data_parallel_size: int | None = None,
     recompute: Sequence[bool] = (False, True),
+    shardings: Sequence[str] = ("none",),
     options: PlannerOptions = PlannerOptions(),
 ) -> tuple[Plan, list[Candidate]]:
     """Search the layouts of ``world_size`` devices for the fastest that fits a global ``batch``.
 
     ``partition_for(layout, num_microbatches, within_budget, recompute)`` makes a plan for
-    one replica's share of the batch; both settings of activation ``recompute`` given are
-    tried. Returns the best plan (with ``predicted_step_time_s``, its layout and the
-    alternatives filled in) and every candidate, best first. Raises ``PartitionError``
-    naming the world that would fit.
+    one replica's share of the batch; ``lay_out(plan, layout, schedule)`` gives that plan's
+    memory and collectives in ``layout`` (see :func:`_evaluate`). Both settings of activation
+    ``recompute`` given are tried, and each of ``shardings`` (:data:`replica.layout.SHARDINGS`)
+    where the layout allows it: more than one replica, a schedule that does not split backward.
+    Returns the best plan (with ``predicted_step_time_s``, its layout and the alternatives
+    filled in) and every candidate, best first. Raises ``PartitionError`` naming the world
+    that would fit.
     """
     candidates: list[Candidate] = []
     plans: dict[tuple[int, int, bool, int], Plan | None] = {}
@@ -151,27 +152,31 @@ def tune(
             stages = ranks * kind.stages_per_rank
             if (ranks == 1 and stages > 1) or stages > num_ops or (num_stages is not None and stages != num_stages):
                 continue
-            layout = Layout(schedule=name, num_stages=stages, pipeline_ranks=ranks, data_parallel_size=replicas)
-            for again in recompute:
-                for m in _microbatch_choices(batch // replicas, ranks, num_microbatches, stages,
-                                             options.max_simulated_actions):
-                    if kind.microbatch_multiple and m % ranks:
-                        continue
-                    # priced at this micro-batch size: an op whose tensors fit the cache at m runs faster
-                    key = (stages, replicas, again, m)
-                    if key not in plans:
-                        try:  # memory is checked per schedule below, so this cut ignores the budget
-                            cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
-                                         data_parallel_size=replicas)
-                            plans[key] = partition_for(cut, m, False, again)
-                        except PartitionError:
-                            plans[key] = None
-                    plan = plans[key]
-                    if plan is None:
-                        continue
-                    found = _evaluate(plan, layout, device, memory_budget)
-                    if found is not None:
-                        candidates.append(found)
+            for sharding in shardings:
+                if sharding != "none" and (replicas == 1 or kind.splits_backward):
+                    continue
+                layout = Layout(schedule=name, num_stages=stages, pipeline_ranks=ranks, data_parallel_size=replicas,
+                                sharding=sharding)
+                for again in recompute:
+                    for m in _microbatch_choices(batch // replicas, ranks, num_microbatches, stages,
+                                                 options.max_simulated_actions):
+                        if kind.microbatch_multiple and m % ranks:
+                            continue
+                        # priced at this micro-batch size: an op whose tensors fit the cache at m runs faster
+                        key = (stages, replicas, again, m)
+                        if key not in plans:
+                            try:  # memory is checked per layout below, so this cut ignores the budget
+                                cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
+                                             data_parallel_size=replicas)
+                                plans[key] = partition_for(cut, m, False, again)
+                            except PartitionError:
+                                plans[key] = None
+                        plan = plans[key]
+                        if plan is None:
+                            continue
+                        found = _evaluate(plan, layout, device, memory_budget, lay_out)
+                        if found is not None:
+                            candidates.append(found)
 
     def step_time(c: Candidate) -> float:
         return c.step_time_s
@@ -183,17 +188,21 @@ def tune(
             f"ranks needs at least P of the model's {num_ops} ops, and R replicas need a global batch divisible "
             f"by R (it is a batch of {batch})" + (f", with num_stages={num_stages}" if num_stages else "")
             + (f", with data_parallel_size={data_parallel_size}" if data_parallel_size else "")
+            + (", sharded (which needs more than one replica and a schedule that does not split backward)"
+               if "none" not in shardings else "")
             + f". Use a world_size that factors as (<= {num_ops} stages) x (a divisor of {batch})."
         )
     if not fitting:
         raise _no_fit(candidates, world_size, memory_budget)
-    # predictions closer than the model can tell apart are a tie: take the one holding least
+    # predictions closer than the model can tell apart are a tie: take whole replicas if one is
+    # among them (sharding hands the user DTensor shards and adds collectives, for memory the
+    # tie says is not needed), then the one holding least memory
     near = [c for c in fitting if c.step_time_s <= fitting[0].step_time_s * (1 + options.tie)]
-    best = min(near, key=lambda c: (c.peak_memory_bytes, c.step_time_s))
+    best = min(near, key=lambda c: (c.layout.sharded, c.peak_memory_bytes, c.step_time_s))
     fitting.remove(best)
     fitting.insert(0, best)
     final = partition_for(best.layout, best.num_microbatches, True, best.recompute)
-    again = _evaluate(final, best.layout, device, memory_budget)
+    again = _evaluate(final, best.layout, device, memory_budget, lay_out)
     step = again.step_time_s if again is not None else best.step_time_s
     alternatives = tuple((c.describe(), c.step_time_s) for c in fitting[1:6])
     plan = dataclasses.replace(final, layout=best.layout, predicted_step_time_s=step, alternatives=alternatives,
@@ -212,5 +221,5 @@ def _no_fit(candidates: list[Candidate], world_size: int, budget: float) -> Part
         f"no configuration of {world_size} devices fits {budget / 2**30:.0f} GiB per device: the leanest "
         f"({least.describe()}) needs {least.peak_memory_bytes / 2**30:.0f} GiB on its fullest device. "
         f"About {needed} devices are needed (memory shrinks with pipeline depth); pass world_size={needed}, "
-        "or lighten the optimizer state (mixed precision, sharding)."
+        "or lighten the optimizer state (a lighter optimizer, bf16 weights, sharding)."
     )

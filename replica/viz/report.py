@@ -102,7 +102,10 @@ def _header(fig: Figures) -> str:
         ("bottleneck stage", format_seconds(plan.bottleneck_s), "per step, forward + backward + transfers"),
         ("balance", f"{plan.balance:.2f}", "slowest / mean stage (1.00 = perfect)"),
         ("bubble", f"{tl.bubble_fraction:.0%}", "idle share of the simulated step"),
-        ("stages", f"{plan.num_stages} × {plan.data_parallel_size}", "pipeline stages × data-parallel replicas"),
+        ("stages", f"{plan.num_stages} × {plan.data_parallel_size}", "pipeline stages × data-parallel replicas"
+         + (f", {plan.layout.sharding} sharded" if plan.layout.sharded else "")
+         + (f"; collectives {format_seconds(plan.collective_s)} a step, "
+            f"{format_seconds(plan.exposed_collective_s)} not hidden" if plan.data_parallel_size > 1 else "")),
         ("parameters", format_bytes(params), f"held by all stages, on {plan.device}"
          + (" (tied ones on each holder)" if plan.tied_parameters else "")),
     ]
@@ -111,7 +114,8 @@ def _header(fig: Figures) -> str:
     for name, value, note in cards:
         out.append(f'<div class="stat"><div class="k">{escape(name)}</div><div class="v">{escape(value)}</div>'
                    f'<div class="n">{escape(note)}</div></div>')
-    out.append("</div></header>")
+    notes = [plan.precision_note, plan.data_parallel_note]
+    out.append("</div>" + "".join(f'<p class="note">{escape(n)}</p>' for n in notes if n) + "</header>")
     if not plan.exact:
         out.append('<p class="note">Large graph: cut at its cheapest candidate points, bottleneck within '
                    f'{plan.bottleneck_s / plan.lower_bound_s - 1:.1%} of the lower bound.</p>'
@@ -141,6 +145,10 @@ def _stage(fig: Figures, stage: StagePlan, boxes: list[list[ModuleBox]]) -> str:
         f"forward {format_seconds(stage.forward_time_s)}", f"backward {format_seconds(stage.backward_time_s)}",
         f"transfers {format_seconds(stage.communication_time_s)}", f"memory {memory}",
     ]
+    if plan.data_parallel_size > 1:
+        facts.append(f"data-parallel collectives {format_seconds(stage.collective_s)}"
+                     + (f" ({stage.gathers} all-gathers, 1 reduce-scatter)" if plan.layout.sharded else "")
+                     + f", {format_seconds(stage.exposed_collective_s)} not hidden")
     if fig.measured:
         facts.append(f"measured {format_seconds(fig.measured[k].total_s)}")
     mine, before, after = boxes[k], boxes[k - 1] if k else [], boxes[k + 1] if k + 1 < len(boxes) else []
