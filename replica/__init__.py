@@ -1,6 +1,7 @@
 """Replica: automatic pipeline model parallelism for PyTorch."""
 
 from replica import defaults
+from replica.amp import GradScaler
 from replica.api import PipelineModel, auto_parallel, plan
 from replica.errors import (
     ConfigError,
@@ -47,4 +48,5 @@ __all__ = [
     "PartitionError",
     "ScheduleError",
     "PipelineError",
+    "GradScaler",
 ]

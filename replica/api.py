@@ -18,6 +18,7 @@ from replica.pipeline.local import LossFn
 from replica.pipeline_model import PipelineModel
 from replica.planner import PlannerOptions, PlanRequest, make_plan
 from replica.planner.agree import agree_on_plan, distributed, use_the_model_device
+from replica.precision import precision_name
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
 
@@ -30,8 +31,13 @@ _PLANNING_DOC = """
     times every op here on real tensors, ``"analytic"`` prices FLOPs and bytes on
     ``device``'s spec, ``"auto"`` profiles when the model and inputs are real and no other
     ``device`` is named), ``memory_budget`` (bytes per device, or one per stage; default
-    the device's memory when planning analytically), ``optimizer`` and
-    ``mixed_precision`` (what the memory model counts per parameter), ``recompute`` (True:
+    the device's memory when planning analytically), ``optimizer`` (what the memory model counts per parameter),
+    ``mixed_precision`` (None: fp32, or rather the weights' own dtype; ``"bf16"`` / ``"fp16"``:
+    autocast, priced at the device's half-precision rate and sizes), ``sharded_data_parallel``
+    (True: the data-parallel replicas shard their stages' weights, gradients and optimizer
+    state with torch's FSDP2, ``"zero3"`` or ``"zero2"`` as the planner prices them, or that one
+    named; False: each holds a whole copy; None: the planner decides),
+    ``recompute`` (True:
     keep only stage inputs and run the forward again in backward; ``"pointwise"``: rebuild
     GELU / SiLU outputs in backward on the stages that hold several micro-batches; None:
     the tuner decides, and stages rebuild GELU / SiLU / LayerNorm outputs where that is as
@@ -66,7 +72,8 @@ def plan(
     cost: str = "auto",
     memory_budget: float | Sequence[float] | None = None,
     optimizer: str = "adam",
-    mixed_precision: bool = False,
+    mixed_precision: str | None = None,
+    sharded_data_parallel: bool | str | None = None,
     recompute: bool | str | None = None,
     tracer: str = "auto",
     dynamic_dims: str = "auto",
@@ -83,13 +90,26 @@ def plan(
         world_size=world_size, num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
         data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, device=device, cost=cost,
         memory_budget=memory_budget, recompute=recompute, graded_microbatches=graded_microbatches,
-        optimizer=optimizer, mixed_precision=mixed_precision, batch=batch, options=options or PlannerOptions())
+        optimizer=optimizer, precision=precision_name(mixed_precision), sharded_data_parallel=sharded_data_parallel,
+        batch=batch,
+        options=options or PlannerOptions())
     traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer=tracer,
                    dynamic_dims=dynamic_dims)
     return make_plan(traced, model, request)
 
 
 plan.__doc__ = (plan.__doc__ or "") + _PLANNING_DOC
+
+
+def _check_grad_dtype(grad_dtype: Any) -> None:
+    if grad_dtype is None:
+        return
+    if not (isinstance(grad_dtype, torch.dtype) and grad_dtype.is_floating_point):
+        raise ConfigError(f"grad_dtype must be a floating torch.dtype (e.g. torch.float32) or None (the weights' "
+                          f"own dtype), got {grad_dtype!r}")
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        raise ConfigError(f"grad_dtype={grad_dtype} needs Tensor.grad_dtype, which torch {torch.__version__} lacks; "
+                          "upgrade torch, or leave grad_dtype=None (gradients in the weights' dtype)")
 
 
 def _check_given_plan(given: Plan, world: int, **asked: Any) -> None:
@@ -129,7 +149,8 @@ def auto_parallel(
     cost: str = "auto",
     memory_budget: float | Sequence[float] | None = None,
     optimizer: str = "adam",
-    mixed_precision: bool = False,
+    mixed_precision: str | None = None,
+    sharded_data_parallel: bool | str | None = None,
     recompute: bool | str | None = None,
     tracer: str = "auto",
     dynamic_dims: str = "auto",
@@ -143,6 +164,7 @@ def auto_parallel(
     timeout_s: float = 300.0,
     init: Callable[[torch.nn.Module], None] | None = None,
     weights: str | os.PathLike[str] | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> PipelineModel:
     """Trace, plan and split ``model`` into a pipeline, and return it ready to train.
 
@@ -169,6 +191,14 @@ def auto_parallel(
     saved tensors are then loaded by name. The seed is one draw from torch's generator on rank 0,
     shared with the plan, so the weights do not depend on the layout. The other stages'
     tensors stay on meta and are never allocated.
+
+    ``mixed_precision="bf16"`` (or ``"fp16"``) runs every stage's forward and the loss under
+    ``torch.autocast`` in that dtype, the weights and optimizer staying in theirs (torch's AMP
+    recipe); a ``torch.autocast`` of your own around ``train_step`` means the same. fp16 needs
+    loss scaling: ``pm.train_step(x, y, scaler=replica.GradScaler())``. A model whose weights
+    are themselves bf16 or fp16 computes in them; its gradients are in that dtype too, as in
+    plain torch, unless ``grad_dtype=torch.float32`` accumulates them (over micro-batches and
+    steps) in fp32 (``Tensor.grad_dtype``).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -183,11 +213,8 @@ def auto_parallel(
             "freed the weights of the stages other ranks hold. Build (or load) the model again before "
             "pipelining it again, or keep using the first PipelineModel."
         )
-    if mixed_precision:
-        raise ConfigError(
-            "auto_parallel cannot run in mixed precision yet: mixed_precision=True only prices fp32 master "
-            "weights in replica.plan's memory model. Leave it False to train in the model's dtype."
-        )
+    precision = precision_name(mixed_precision)
+    _check_grad_dtype(grad_dtype)
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn must be callable(output, target) -> scalar tensor, got {type(loss_fn).__name__}")
     if loss_reduction not in ("mean", "sum"):
@@ -215,13 +242,16 @@ def auto_parallel(
     if plan is not None:
         _check_given_plan(plan, world, num_stages=num_stages, num_microbatches=num_microbatches,
                           schedule=None if schedule is None else str(schedule).lower(),
-                          data_parallel_size=data_parallel_size)
+                          data_parallel_size=data_parallel_size,
+                          precision=None if mixed_precision is None else precision)
         schedule = plan.schedule
     request = PlanRequest(
         world_size=None if world == 1 else world, num_stages=num_stages, num_microbatches=num_microbatches,
         schedule=schedule, data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
         device=device, cost=cost, memory_budget=memory_budget, recompute=recompute,
-        graded_microbatches=graded_microbatches, optimizer=optimizer, batch=batch, options=options or PlannerOptions())
+        graded_microbatches=graded_microbatches, optimizer=optimizer, precision=precision,
+        sharded_data_parallel=sharded_data_parallel, batch=batch,
+        options=options or PlannerOptions())
     traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer=tracer,
                    dynamic_dims=dynamic_dims)
     if world > 1:
@@ -243,7 +273,7 @@ def auto_parallel(
                 dynamic_dims=dynamic_dims))
         return PipelineModel(model, traced, plan, loss_fn=loss_fn, loss_reduction=loss_reduction,
                              batch=request.batch, deferred_batchnorm=deferred_batchnorm, timeout_s=timeout_s,
-                             device=device)
+                             device=device, grad_dtype=grad_dtype)
     except RuntimeError as exc:  # a collective of the set-up failed: a peer died or hung
         raise PipelineError(
             f"setting up the pipeline on rank {dist.get_rank()} of {world} failed while the ranks exchanged the "

@@ -11,6 +11,7 @@ import torch
 
 from replica.errors import ConfigError
 from replica.layout import schedule_names
+from replica.precision import precision_name
 
 __all__ = ["TrainerConfig", "default_config"]
 
@@ -49,6 +50,11 @@ class TrainerConfig:
     - ``log_every_steps``, ``metrics_file`` (JSONL, appended), ``progress`` (a bar on a terminal).
     - ``device``: where the model and batches live (None: where the model's parameters are).
     - ``timeout_s``: the longest wait on another rank before a clear error.
+    - ``sharded_data_parallel``: the replicas shard their stages (FSDP2; None: the planner
+      decides), as for :func:`replica.auto_parallel`.
+    - ``precision``: ``"fp32"`` (the weights' own dtype), ``"bf16"`` or ``"fp16"``: autocast,
+      as :func:`replica.auto_parallel`'s ``mixed_precision``; fp16 steps through a
+      :class:`replica.GradScaler`, whose state the checkpoints keep.
     """
 
     num_stages: int | None = None
@@ -66,6 +72,8 @@ class TrainerConfig:
     device: "str | torch.device | None" = None
     progress: bool = True
     timeout_s: float = 300.0
+    precision: str = "fp32"
+    sharded_data_parallel: bool | None = None
 
     def __post_init__(self) -> None:
         _count("num_stages", self.num_stages, optional=True)
@@ -79,6 +87,10 @@ class TrainerConfig:
         _flag("progress", self.progress)
         _path("checkpoint_dir", self.checkpoint_dir)
         _path("metrics_file", self.metrics_file)
+        self.precision = precision_name(self.precision, argument="precision")
+        if self.sharded_data_parallel not in (None, True, False):
+            raise ConfigError(f"sharded_data_parallel must be True, False or None (the planner decides), got "
+                              f"{self.sharded_data_parallel!r}")
         known = schedule_names(auto=True)
         if not isinstance(self.schedule, str) or self.schedule.lower() not in known:
             raise ConfigError(f"schedule must be one of {known}, got {self.schedule!r}")

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from replica.amp import GradScaler
 from replica.errors import ConfigError, PipelineError
 from replica.partition.modes import following, frozen_mode_ops
 from replica.partition.plan import Plan
@@ -21,8 +22,10 @@ from replica.pipeline.local import LocalRuntime, LossFn
 from replica.pipeline.remat import rebuildable_norms
 from replica.pipeline.schedule import placement, plan_schedule, splits_backward  # plan_schedule: re-exported
 from replica.pipeline.shapes import ShapeOracle
+from replica.pipeline.sharding import full_tensor
 from replica.pipeline.simulate import Timeline
 from replica.pipeline.weightgrad import defer_linear_weight_grads
+from replica.precision import ambient_autocast, autocast_dtype
 
 __all__ = ["PipelineModel", "plan_schedule"]
 
@@ -46,9 +49,11 @@ class PipelineModel:
         deferred_batchnorm: bool = True,
         timeout_s: float,
         device: torch.device | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
+        self.precision = plan.precision
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
         self.batch = batch  # "global": every rank gets the whole batch, each replica takes its slice
@@ -65,7 +70,7 @@ class PipelineModel:
         deferring: set[int] = set()
         if splits_backward(self.schedule):
             deferring = {s.stage_index for s in self.all_stages}
-        elif _distributed() and plan.early_input_grads:
+        elif _distributed() and plan.early_input_grads and not plan.layout.sharded:  # FSDP reduces in B
             deferring = sending_input_grads(self.all_stages, placement(self.schedule))
         for stage in self.all_stages:
             if stage.stage_index in deferring:
@@ -85,9 +90,12 @@ class PipelineModel:
             if device is None:  # a materialized meta model names its own: the rest of it stays on meta
                 device = next(model.parameters()).device
             boundary = [b.name for s in plan.stages for b in s.outputs]
-            oracle = ShapeOracle(traced.module, boundary, device, traced.out_spec)
+            sharded = plan.layout.sharded and plan.data_parallel_size > 1  # gathers weights in autocast's dtype
+            oracle = ShapeOracle(traced.module, boundary, device, traced.out_spec,
+                                 param_dtype=autocast_dtype(self.precision) if sharded else None)
             self.runtime = DistributedRuntime(self.all_stages, self.schedule, plan, topology, oracle,
-                                              timeout_s=timeout_s, device=device, recompute=plan.recompute)
+                                              timeout_s=timeout_s, device=device, recompute=plan.recompute,
+                                              precision=self.precision)
             self.stages = [s for s in self.all_stages if s.stage_index in self.runtime.stages]
             self.pipeline_rank = topology.pipeline_rank
             self.data_parallel_rank = topology.data_parallel_rank
@@ -95,11 +103,16 @@ class PipelineModel:
         else:
             self.runtime = LocalRuntime(self.all_stages, self.schedule, recompute=plan.recompute,
                                         pointwise_recompute=plan.pointwise_recompute,
-                                        rebuilds=plan.rebuilds)
+                                        rebuilds=plan.rebuilds, precision=self.precision)
             self.stages = self.all_stages
             self.pipeline_rank = 0
             self.data_parallel_rank = 0
         self.data_parallel_size = plan.data_parallel_size
+        self.device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        if grad_dtype is not None:
+            for p in self.parameters():
+                if p.is_floating_point() and p.dtype != grad_dtype:
+                    p.grad_dtype = grad_dtype  # autograd and the deferred W accumulate in it
 
     def _release_remote_weights(self) -> None:
         """Free the storage of every weight no local stage reads: a rank holds only its stages."""
@@ -181,14 +194,46 @@ class PipelineModel:
             out = microbatch.merge(self.runtime.forward(self._microbatches(args)))
         return self._gather_replicas(out, total) if sliced else out
 
-    def train_step(self, inputs: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+    def train_step(self, inputs: Any, target: Any, *, scaler: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of every micro-batch. Each parameter's ``.grad`` receives the
         gradient of the whole batch's loss (accumulated, as ``loss.backward()`` would);
         returns that loss, detached. ``inputs`` are as the model takes them: a tensor, a tuple
-        of positional inputs, or a dict of keyword inputs; ``kwargs`` add keyword inputs."""
+        of positional inputs, or a dict of keyword inputs; ``kwargs`` add keyword inputs.
+
+        ``scaler`` (a :class:`replica.GradScaler`, for fp16): each micro-batch's loss is
+        scaled by it, as ``scaler.scale(loss).backward()`` would, so ``.grad`` holds the scaled
+        gradients for ``scaler.step(optimizer)``; the loss returned is unscaled."""
         step = self._step_arguments(inputs, target, kwargs, "train_step")
+        scale = self._loss_scale(scaler)
+        if scale is not None:
+            step = (*step[:3], [w * scale for w in step[3]])
         with following(self.model):
-            return self.runtime.train_step(*step).loss
+            loss = self.runtime.train_step(*step).loss
+        return loss if scale is None else loss / scale.to(loss.device)
+
+    def _loss_scale(self, scaler: Any) -> torch.Tensor | None:
+        """The scaler's current scale on every rank (each rank's scaler must be ready for its
+        ``unscale_``, whether or not it computes a loss), or None without one."""
+        if scaler is None:
+            if self.precision == "fp16" or ambient_autocast(self.device.type) == torch.float16:
+                raise ConfigError(
+                    "fp16 training needs loss scaling, or small gradients underflow to zero: pass "
+                    "pm.train_step(inputs, target, scaler=scaler) with scaler = replica.GradScaler(), then "
+                    "scaler.step(optimizer) and scaler.update(); or train in bf16 (mixed_precision='bf16')"
+                )
+            return None
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise ConfigError(f"scaler must be a replica.GradScaler (a torch.amp.GradScaler), got "
+                              f"{type(scaler).__name__}")
+        if isinstance(self.runtime, DistributedRuntime) and not isinstance(scaler, GradScaler):
+            raise ConfigError(
+                "across processes the scaler must be a replica.GradScaler: torch's own checks only this rank's "
+                "gradients for inf/NaN, so one rank could skip a step that another takes and the replicas drift "
+                "apart. Use scaler = replica.GradScaler() (the same arguments)"
+            )
+        if not scaler.is_enabled():
+            return None
+        return scaler.scale(torch.ones((), device=self.device))
 
     def measure_step(self, inputs: Any, target: Any, **kwargs: Any) -> tuple[torch.Tensor, Timeline]:
         """:meth:`train_step` (the same gradients and loss) that also times every action:
@@ -270,12 +315,20 @@ class PipelineModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Original keys (every alias of a tied weight too), for the weights this process
-        holds: in one process the whole model's, loadable by the plain model."""
+        holds: in one process the whole model's, loadable by the plain model. Sharded
+        replicas gather each tensor whole (a collective: every replica of the stage calls it)."""
         if isinstance(self.runtime, LocalRuntime):
             return self.model.state_dict()
+        return {key: full_tensor(value).detach() for key, value in self.held_state().items()}
+
+    def held_state(self) -> dict[str, torch.Tensor]:
+        """:meth:`state_dict`'s tensors themselves, as this process holds them (a sharded
+        replica's parameters are DTensor shards): what a checkpoint loads into."""
+        if isinstance(self.runtime, LocalRuntime):
+            return self.model.state_dict(keep_vars=True)
         out: dict[str, torch.Tensor] = {}
         for stage in self.stages:
-            for key, value in stage.module.state_dict().items():
+            for key, value in stage.module.state_dict(keep_vars=True).items():
                 out.setdefault(key, value)
                 for alias in self.plan.tied_parameters.get(self._canonical.get(key, key), ()):
                     out.setdefault(alias, value)

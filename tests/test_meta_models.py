@@ -254,7 +254,7 @@ def meta_trainer(directory, *, seed: int, stop_at: int | None = None, epochs: in
     """The small CNN built on meta, trained through get_trainer on 2 stages (3 steps an epoch; with
     a directory, a checkpoint every 2 steps); with ``stop_at`` the run dies after that step."""
     from replica.defaults import default_config
-    from tests.train_cases import DATA, Stop, small_cnn
+    from tests.train_cases import small_cnn, train_until
 
     torch.manual_seed(seed)
     with torch.device("meta"):
@@ -264,16 +264,7 @@ def meta_trainer(directory, *, seed: int, stop_at: int | None = None, epochs: in
         config=default_config(batch_size=32, progress=False, checkpoint_dir=directory,
                               checkpoint_every_steps=2 if directory is not None else None, **config),
         model=model, loss=nn.CrossEntropyLoss(), optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
-
-    def die(t) -> None:
-        if t.step == stop_at:
-            raise Stop
-
-    try:
-        trainer.train_dataset(*DATA, epochs=epochs, on_step_end=die)
-    except Stop:
-        pass
-    return trainer
+    return train_until(trainer, stop_at, epochs)
 
 
 def spy_on_builds(monkeypatch) -> list[tuple[object, dict[str, torch.Tensor]]]:

@@ -60,6 +60,11 @@ def run(directory: str | Path | None, *, stop_at: int | None = None, epochs: int
     config.setdefault("checkpoint_every_steps", 2 if directory is not None else None)
     config.setdefault("model_seed", 0 if stop_at is not None else 1)
     trainer = make_trainer(checkpoint_dir=None if directory is None else str(directory), batch_size=32, **config)
+    return train_until(trainer, stop_at, epochs)
+
+
+def train_until(trainer: Trainer, stop_at: int | None, epochs: int = EPOCHS) -> Trainer:
+    """Train ``trainer`` on DATA for ``epochs``, dying after step ``stop_at`` (if given)."""
 
     def die(t: Trainer) -> None:
         if t.step == stop_at:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from replica.errors import PipelineError, ReplicaError
 from replica.layout import Layout
@@ -27,9 +28,13 @@ from replica.pipeline.gradsync import ReplicaReducer
 from replica.pipeline.mailbox import Mailbox, greet_peers
 from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from replica.pipeline.shapes import ShapeOracle
+from replica.pipeline.sharding import local_tensor, shard_stage
 from replica.pipeline.simulate import Event, Timeline, simulate, stage_costs_from_plan
+from replica.precision import ambient_autocast, autocast_dtype, autocast_for
 
 __all__ = ["Topology", "DistributedRuntime"]
+
+_AUTOCAST_TAG = 1  # the autocast check's messages; a step's are all tag 0 (pipeline/mailbox.py)
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class DistributedRuntime:
         timeout_s: float,
         device: torch.device,
         recompute: bool = False,
+        precision: str = "fp32",
     ) -> None:
         self.topology = topology
         self.plan = plan
@@ -89,15 +95,23 @@ class DistributedRuntime:
         self.device = device
         self.oracle = oracle
         me = topology.pipeline_rank
+        self.sharded = plan.layout.sharded and topology.data_parallel_size > 1
         self.executor = Executor(stages, schedule, {me}, recompute=recompute, pointwise=plan.pointwise_recompute,
-                                 rebuilds=plan.rebuilds, early_input_grads=plan.early_input_grads,
-                                 replica=topology.data_parallel_rank)
+                                 rebuilds=plan.rebuilds, early_input_grads=plan.early_input_grads and not self.sharded,
+                                 replica=topology.data_parallel_rank, precision=precision, sharded=self.sharded)
         self.place = self.executor.place
         self.actions = self.executor.actions
         self.stages = self.executor.stages
         self.last_backward = self.executor.last_backward
         self.parameters = self._local_parameters()
+        self._autocast_agreed: int | None = None  # the autocast every rank last agreed on
         self._make_groups()
+        if self.sharded:  # FSDP2 over each stage's data-parallel group; its parameters become DTensor shards
+            mesh = DeviceMesh.from_group(self.data_parallel_group, device.type)
+            for k in sorted(self.stages):
+                shard_stage(self.stages[k].module, mesh, reshard_after_forward=plan.layout.sharding == "zero3",
+                            gather_dtype=autocast_dtype(precision))
+            self.parameters = self._local_parameters()
         self.messages = {train: self._message_order(schedule, train) for train in (True, False)}
         greet_peers(self.messages[True] + self.messages[False], me=topology.pipeline_rank, rank=topology.rank,
                     global_rank=topology.global_rank, device=device, wait=self._wait)
@@ -115,6 +129,7 @@ class DistributedRuntime:
     def _make_groups(self) -> None:
         """Process groups, created in the same order on every rank (``new_group`` is collective)."""
         topo, P, D = self.topology, self.topology.num_pipeline_ranks, self.topology.data_parallel_size
+        sharded = self.sharded
         self.pipeline_group = None
         for dp in range(D):
             group = dist.new_group([topo.global_rank(r, dp) for r in range(P)], timeout=self.timeout)
@@ -138,15 +153,18 @@ class DistributedRuntime:
             ranks = sorted(holders[name])
             if len(ranks) < 2:
                 continue
-            members = [topo.global_rank(r, dp) for dp in range(D) for r in ranks]
-            group = dist.new_group(members, timeout=self.timeout)
-            if topo.rank in members:
-                self.tied.append((group, [name] if name in local else []))
+            # sharded, each replica holds its shard of the weight, reduced over the replicas
+            # already: the shards are summed over the ranks holding it, replica by replica
+            for members in ([[topo.global_rank(r, dp) for r in ranks] for dp in range(D)] if sharded
+                            else [[topo.global_rank(r, dp) for dp in range(D) for r in ranks]]):
+                group = dist.new_group(members, timeout=self.timeout)
+                if topo.rank in members:
+                    self.tied.append((group, [name] if name in local else []))
         self.tied_names = {n for _, names in self.tied for n in names}
         # Each stage's gradients are averaged over the replicas as its last backward finishes
         # them; a weight two local stages share goes with the one whose last backward is later.
         self.reducer: ReplicaReducer | None = None
-        if self.data_parallel_group is not None:
+        if self.data_parallel_group is not None and not sharded:
             owner: dict[int, int] = {}
             for k in sorted(self.stages, key=lambda k: self.last_backward[k]):
                 for name, p in self.stages[k].module.named_parameters():
@@ -200,8 +218,39 @@ class DistributedRuntime:
                 f"{what} from {source}"
             )
 
+    def _agree_on_autocast(self) -> None:
+        """Ranks that exchange messages must compute in the same dtypes, or the messages' sizes
+        disagree (gloo aborts the process, NCCL reads garbage). Checked with each pipeline peer
+        when this rank's autocast changes (the first step; a caller's ``torch.autocast``
+        entered or left), on a tag of its own so that it never matches a step's message: a
+        rank that changed alone waits here for its peer and names it when it times out."""
+        dtype = ambient_autocast(self.device.type)
+        code = {None: 0, torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
+        if code == self._autocast_agreed:
+            return
+        me, names = self.topology.pipeline_rank, {0: "none", 1: "bfloat16", 2: "float16", 3: "another dtype"}
+        peers = sorted({m.dest if m.source == me else m.source for m in self.messages[True] + self.messages[False]})
+        for peer in peers:  # ascending, the lower rank sending first: no cycle of waits (see greet_peers)
+            other = self.topology.global_rank(peer)
+            mine = torch.tensor([code], dtype=torch.int64, device=self.device)
+            theirs = torch.empty_like(mine)
+            ops = [lambda: dist.isend(mine, other, tag=_AUTOCAST_TAG), lambda: dist.irecv(theirs, other,
+                                                                                           tag=_AUTOCAST_TAG)]
+            for post in ops if me < peer else ops[::-1]:
+                self._wait(post(), f"rank {other}'s autocast (this rank computes under {names[code]}; a rank that "
+                                   "changes its torch.autocast alone waits here)", other)
+            if int(theirs.item()) != code:
+                raise PipelineError(
+                    f"rank {self.topology.rank} runs the step under autocast {names[code]} but rank {other}, which "
+                    f"exchanges activations with it, under {names[int(theirs.item())]}: wrap every rank's "
+                    "train_step / pm(...) in the same torch.autocast, or pass mixed_precision= to auto_parallel"
+                )
+        self._autocast_agreed = code
+
     def _step(self, microbatches: Sequence[tuple[Any, ...]], train: bool) -> Step:
-        metas = [self.oracle(mb) for mb in microbatches]
+        with autocast_for(self.device, self.executor.precision):  # the dtypes the stages will make
+            self._agree_on_autocast()
+            metas = [self.oracle(mb) for mb in microbatches]
         mail = Mailbox(self.messages[train], metas, me=self.topology.pipeline_rank,
                        global_rank=self.topology.global_rank, device=self.device, wait=self._wait)
         return Step(metas=metas, mail=mail)
@@ -284,9 +333,10 @@ class DistributedRuntime:
                 p = by_name[name]
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                work = dist.all_reduce(p.grad, group=group, async_op=True)
+                grad = local_tensor(p.grad)  # sharded: this replica's shard
+                work = dist.all_reduce(grad, group=group, async_op=True)
                 self._wait(work, f"the all-reduce of tied weight {name!r}", "the ranks sharing it")
-                if self.topology.data_parallel_size > 1:
+                if self.topology.data_parallel_size > 1 and not self.sharded:
                     p.grad /= self.topology.data_parallel_size
 
     def forward(self, microbatches: Sequence[tuple[Any, ...]]) -> list[Any]:

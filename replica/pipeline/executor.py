@@ -38,7 +38,9 @@ from replica.pipeline.remat import KINDS, pointwise_recompute
 from replica.pipeline.schedule import (BACKWARD, FORWARD, WEIGHT, Action, Schedule, execution_order,
                                        fused_weight_grads, max_in_flight, placement, splits_backward)
 from replica.pipeline.shapes import TensorMeta
+from replica.pipeline.sharding import set_last_backward
 from replica.pipeline.weightgrad import WeightGrads, collecting
+from replica.precision import autocast_for
 
 __all__ = ["Executor", "StepResult", "RandomStreams", "LossFn", "run_stage", "weighted_loss", "sending_input_grads"]
 
@@ -53,18 +55,22 @@ class StepResult:
 
 
 def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool, seed: int | None = None,
-              pointwise: bool | Collection[str] = True) -> Any:
+              pointwise: bool | Collection[str] = True, precision: str = "fp32") -> Any:
     """A stage's forward; with ``recompute`` only its inputs are kept and the forward runs
-    again inside backward (``torch.utils.checkpoint``, RNG state preserved); otherwise the
-    outputs of the ``pointwise`` kinds of ops (:func:`.remat.pointwise_recompute`: True for
-    every kind) are rebuilt in backward. ``seed`` seeds the random ops of a stage that has
-    any (see :class:`RandomStreams`)."""
-    with seeded(seed if stage.uses_rng else None, stage.device):
+    again inside backward (``torch.utils.checkpoint``, RNG and autocast state preserved);
+    otherwise the outputs of the ``pointwise`` kinds of ops (:func:`.remat.pointwise_recompute`:
+    True for every kind) are rebuilt in backward. ``seed`` seeds the random ops of a stage that
+    has any (see :class:`RandomStreams`); ``precision`` "bf16" / "fp16" runs it under autocast."""
+    with seeded(seed if stage.uses_rng else None, stage.device), autocast_for(_device(stage), precision):
         if recompute and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False,
                                                      context_fn=recompute_context)  # counts no batch norm twice
         with pointwise_recompute(pointwise):
             return stage.module(*args)
+
+
+def _device(stage: StageModule) -> torch.device:
+    return stage.device if stage.device is not None else torch.device("cpu")
 
 
 def weighted_loss(loss_fn: LossFn, out: Any, target: Any, weight: float) -> torch.Tensor:
@@ -83,6 +89,20 @@ def sending_input_grads(stages: Iterable[StageModule], place: dict[int, int]) ->
     """The stages that send an input gradient to another rank (``place``: stage -> rank):
     the only ones whose backward gains by sending it before the weight gradients."""
     return {st.stage_index for st in stages if any(place[src] != place[st.stage_index] for src in st.input_sources)}
+
+
+def _check_agreed(value: torch.Tensor, meta: Any, name: str, stage: int, readers: Sequence[int],
+                  microbatch: int) -> None:
+    """A tensor about to cross to another process must be what both ends agreed before the
+    step (its reader's buffer is that shape and dtype): otherwise say so here, before sending."""
+    if isinstance(meta, TensorMeta) and (value.dtype != meta.dtype or tuple(value.shape) != meta.shape):
+        raise PipelineError(
+            f"stage {stage} made {name!r} of micro-batch {microbatch} as {value.dtype} {tuple(value.shape)}, but "
+            f"the ranks agreed before the step that it crosses to stage(s) {list(readers)} as {meta.dtype} "
+            f"{meta.shape}. The step's dtypes were worked out under the autocast in force when it started: "
+            "run every rank's train_step under the same torch.autocast (or pass mixed_precision= to "
+            "auto_parallel), and do not change autocast inside the model's forward based on data"
+        )
 
 
 class RandomStreams:
@@ -132,12 +152,18 @@ class Executor:
     inputs; ``pointwise`` rebuilds every kind of op output on the stages that hold several
     micro-batches (or send input gradients first); ``rebuilds`` are the plan's (stage, kind)
     pairs; ``early_input_grads`` lets a backward send its input gradient before computing
-    its weight gradients; ``replica`` seeds this data-parallel replica's random ops.
+    its weight gradients; ``replica`` seeds this data-parallel replica's random ops;
+    ``precision`` ("bf16" / "fp16") runs every forward and the loss under autocast;
+    ``sharded``: the stage modules are FSDP2 roots, told before each backward whether it is
+    their last of the step (only then are gradients reduce-scattered).
     """
 
     def __init__(self, stages: Sequence[StageModule], schedule: Schedule, ranks: Collection[int], *,
                  recompute: bool = False, pointwise: bool = False, rebuilds: Iterable[tuple[int, str]] = (),
-                 early_input_grads: bool = False, replica: int = 0) -> None:
+                 early_input_grads: bool = False, replica: int = 0, precision: str = "fp32",
+                 sharded: bool = False) -> None:
+        self.precision = precision
+        self.sharded = sharded  # stage modules under FSDP2: see pipeline/sharding.py
         self.place = placement(schedule)
         self.stages = {s.stage_index: s for s in stages if self.place[s.stage_index] in ranks}
         self.actions: list[Action] = (list(schedule[next(iter(ranks))]) if len(ranks) == 1
@@ -190,11 +216,14 @@ class Executor:
             if action.kind == FORWARD:
                 out = self.forward(step, action, microbatches[i], train=True)
                 if stage.is_last:
-                    attached[i] = weighted_loss(loss_fn, out, targets[i], weights[i])
-                    losses.append(attached[i].detach())
+                    with autocast_for(_device(stage), self.precision):  # the loss too, as torch's recipe
+                        attached[i] = weighted_loss(loss_fn, out, targets[i], weights[i])
+                    losses.append(attached[i].detach().float())  # summed in fp32, whatever autocast gave
                 del out  # the graph stays only where its backward will let go of it
                 clock.end(action)
             elif action.kind == BACKWARD:
+                if self.sharded:
+                    set_last_backward(stage.module, n == self.last_backward[k])
                 # W inside B: weight gradients straight into .grad, unless the reducer's hooks
                 # must see autograd accumulate them (the last backward, data-parallel)
                 sink = WeightGrads() if split or early else (None if last else WeightGrads(now=True))
@@ -248,13 +277,14 @@ class Executor:
                 values.append(value)
             args = tuple(values)
         out = run_stage(stage, args, self.recompute and train, self.random.seed(k, i),
-                        pointwise=self.rebuilt.get(k, False))
+                        pointwise=self.rebuilt.get(k, False), precision=self.precision)
         if not stage.is_last:
             for name, readers, value in zip(stage.output_names, stage.output_destinations, out):
                 tensor = isinstance(value, torch.Tensor)
                 if any(d in self.stages for d in readers) and (tensor or meta is None):
                     step.values[(name, i)] = value
                 if tensor and step.mail is not None:
+                    _check_agreed(value, meta[name] if meta is not None else None, name, k, readers, i)
                     for d in readers:
                         if d not in self.stages:
                             step.mail.send((name, d, i, FWD), value)

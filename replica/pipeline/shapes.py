@@ -5,10 +5,15 @@ weights with the micro-batch's input shapes gives the shape, dtype and
 ``requires_grad`` of every tensor crossing a cut, and the value of every Python
 value (a size, a device) crossing one — so ranks allocate receive buffers and
 rebuild sizes without a shape handshake on the wire.
+
+Under ``torch.autocast`` (the run's ``mixed_precision``, or the caller's own) the dtypes
+are autocast's, which meta tensors do not see: the graph then runs on fake tensors of the
+rank's own device type (``FakeTensorMode``: no bytes either), inside the same autocast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -18,6 +23,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map, tree_unflatten
 
 from replica.errors import PipelineError
+from replica.pipeline.sharding import drop_dtype_asserts
+from replica.precision import ambient_autocast
 
 __all__ = ["TensorMeta", "ShapeOracle"]
 
@@ -55,6 +62,33 @@ def _meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return meta
 
 
+def _fake_copy(gm: fx.GraphModule, device: torch.device,
+               param_dtype: torch.dtype | None = None) -> tuple[fx.GraphModule, Any]:
+    """A copy of ``gm`` (the meta copy) whose parameters and buffers are fake tensors on
+    ``device`` (what autocast acts on; meta tensors it ignores), with their fake mode;
+    floating parameters in ``param_dtype`` if given (the dtype sharded replicas gather them in)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, Any] = {}
+    with mode:
+        for p in gm.parameters():
+            dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
+            memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                             requires_grad=p.requires_grad)
+        for b in gm.buffers():
+            memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    fake = copy.deepcopy(gm, memo)
+    if param_dtype is not None:
+        drop_dtype_asserts(fake)  # as the sharded stages do (pipeline/sharding.py)
+    here = lambda v: device if isinstance(v, torch.device) and v.type == "meta" else v  # noqa: E731
+    for n in fake.graph.nodes:  # the meta copy names meta where the graph named a device: this rank's
+        n.args = tree_map(here, n.args)
+        n.kwargs = tree_map(here, n.kwargs)
+    fake.recompile()
+    return fake, mode
+
+
 def _localize(value: Any, device: torch.device) -> Any:
     """Python values computed on meta name the meta device; a rank uses its own."""
     if isinstance(value, torch.device):
@@ -67,8 +101,11 @@ def _localize(value: Any, device: torch.device) -> Any:
 class ShapeOracle:
     """``oracle(inputs)[name]``: a :class:`TensorMeta` or the Python value, per boundary value."""
 
-    def __init__(self, gm: fx.GraphModule, names: Sequence[str], device: torch.device, out_spec: Any = None) -> None:
+    def __init__(self, gm: fx.GraphModule, names: Sequence[str], device: torch.device, out_spec: Any = None,
+                 param_dtype: torch.dtype | None = None) -> None:
+        self.param_dtype = param_dtype  # the weights' dtype under autocast, where FSDP gathers them cast
         self.meta_module = _meta_copy(gm)
+        self._fake: tuple[fx.GraphModule, Any] | None = None  # made the first time autocast is on
         self.out_spec = out_spec  # exported graphs return flat outputs: the model's structure
         self.names = frozenset(names)
         self.device = device
@@ -82,12 +119,14 @@ class ShapeOracle:
         )
 
     def __call__(self, inputs: Sequence[Any]) -> dict[str, Any]:
-        key = self._signature(inputs)
+        """Under the autocast in force for this rank's device type, as the step will run."""
+        autocast = ambient_autocast(self.device.type)
+        key = (self._signature(inputs), autocast)
         if key not in self._cache:
-            self._cache[key] = self._infer(inputs)
+            self._cache[key] = self._infer(inputs, autocast)
         return self._cache[key]
 
-    def _infer(self, inputs: Sequence[Any]) -> dict[str, Any]:
+    def _infer(self, inputs: Sequence[Any], autocast: torch.dtype | None) -> dict[str, Any]:
         found: dict[str, Any] = {}
         names = self.names
         device = self.device
@@ -99,11 +138,20 @@ class ShapeOracle:
                     found[n.name] = result
                 return result
 
-        args = [x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
-                for x in inputs]
+        if autocast is None:
+            module, mode = self.meta_module, contextlib.nullcontext()
+            args = [x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                    for x in inputs]
+        else:
+            if self._fake is None:
+                self._fake = _fake_copy(self.meta_module, device, self.param_dtype)  # shapes outlive released weights
+            module, mode = self._fake
+            with mode:
+                args = [torch.empty(x.shape, dtype=x.dtype, device=device).requires_grad_(x.requires_grad)
+                        if isinstance(x, torch.Tensor) else x for x in inputs]
         try:
-            with torch.enable_grad():
-                Recorder(self.meta_module).run(*args)
+            with mode, torch.enable_grad():
+                Recorder(module).run(*args)
         except Exception as exc:
             raise PipelineError(
                 f"could not work out the shapes crossing the cuts for inputs "

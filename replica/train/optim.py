@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from replica.errors import ConfigError
+from replica.pipeline.sharding import full_tensor, shard_like
 
 __all__ = ["rebuild_optimizer", "make_optimizer", "state_by_name", "load_state_by_name"]
 
@@ -98,7 +99,9 @@ def state_by_name(optimizer: torch.optim.Optimizer | None, names: Mapping[int, s
     """``{"state": {name: {...}}, "param_groups": [{hyper-parameters..., "params": [names]}]}``."""
     if optimizer is None:
         return {"state": {}, "param_groups": []}
-    state = {name: dict(optimizer.state[p]) for _, name, p in _names(optimizer, names) if p in optimizer.state}
+    # a sharded parameter's state is gathered whole (every replica of its stage calls this)
+    state = {name: {k: full_tensor(v) for k, v in optimizer.state[p].items()}
+             for _, name, p in _names(optimizer, names) if p in optimizer.state}
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
               for group in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
@@ -127,8 +130,9 @@ def load_state_by_name(
         saved_hyper: dict[str, Any] | None = None
         for p in group["params"]:
             name = names[id(p)]
-            if name in state:
-                torch_state[index] = state[name]
+            if name in state:  # a sharded parameter's state cut as it is
+                torch_state[index] = {k: shard_like(v, p) if isinstance(v, torch.Tensor) and v.shape == p.shape else v
+                                      for k, v in state[name].items()}
             saved_hyper = saved_hyper or hyper.get(name)
             ids.append(index)
             index += 1

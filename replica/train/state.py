@@ -15,6 +15,7 @@ import torch
 
 from replica.api import PipelineModel
 from replica.errors import ReplicaError
+from replica.pipeline.sharding import shard_like
 from replica.train import checkpoint as ckpt
 from replica.train.optim import load_state_by_name, state_by_name
 from replica.train.rng import rng_state, set_rng_state
@@ -22,19 +23,26 @@ from replica.train.rng import rng_state, set_rng_state
 __all__ = ["shard_of", "load_into_pipeline"]
 
 
-def _weights(pipeline: PipelineModel, plain_keys: Collection[str]) -> dict[str, torch.Tensor]:
-    """The state_dict entries this rank holds that the plain model has (no stage-only buffers)."""
-    return {k: v for k, v in pipeline.state_dict().items() if k in plain_keys}
+def _weights(pipeline: PipelineModel, plain_keys: Collection[str], *, whole: bool = True) -> dict[str, torch.Tensor]:
+    """The state_dict entries this rank holds that the plain model has (no stage-only buffers):
+    whole tensors (a sharded replica gathers them, with its stage's other replicas), or with
+    ``whole=False`` the tensors held (shards), to load into."""
+    held = pipeline.state_dict() if whole else pipeline.held_state()
+    return {k: v for k, v in held.items() if k in plain_keys}
 
 
 def shard_of(pipeline: PipelineModel, optimizer: torch.optim.Optimizer | None, names: Mapping[int, str],
              plain_keys: Collection[str], world_size: int) -> ckpt.Shard | None:
-    """What this rank writes: one shard per pipeline rank, by data-parallel replica 0 only."""
+    """What this rank writes: one shard per pipeline rank, by data-parallel replica 0 only (sharded
+    replicas first gather their weights and optimizer state whole, together)."""
+    if pipeline.plan.layout.sharded and pipeline.data_parallel_size > 1:
+        model, optimizer_state = _weights(pipeline, plain_keys), state_by_name(optimizer, names)  # collectives
+    elif pipeline.data_parallel_rank == 0:
+        model, optimizer_state = _weights(pipeline, plain_keys), state_by_name(optimizer, names)
     if pipeline.data_parallel_rank != 0:
         return None
     return ckpt.Shard(index=pipeline.pipeline_rank, count=world_size // pipeline.data_parallel_size,
-                      model=_weights(pipeline, plain_keys), optimizer=state_by_name(optimizer, names),
-                      rng=rng_state())
+                      model=model, optimizer=optimizer_state, rng=rng_state())
 
 
 def load_into_pipeline(path: str | Path, pipeline: PipelineModel, optimizer: torch.optim.Optimizer | None,
@@ -42,7 +50,7 @@ def load_into_pipeline(path: str | Path, pipeline: PipelineModel, optimizer: tor
     """Copy checkpoint ``path``'s weights, optimizer state and RNG states into this rank's share;
     returns the trainer state the manifest recorded."""
     meta: dict[str, Any] = ckpt.read_manifest(path)["trainer"]
-    held = _weights(pipeline, plain_keys)
+    held = _weights(pipeline, plain_keys, whole=False)
     saved = ckpt.load_model_state(path, names=held.keys())
     missing = sorted(set(held) - set(saved))
     if missing:
@@ -57,7 +65,7 @@ def load_into_pipeline(path: str | Path, pipeline: PipelineModel, optimizer: tor
                     f"checkpoint {path}: {key} has shape {tuple(saved[key].shape)}, the model's is "
                     f"{tuple(tensor.shape)}; it was written for a different model"
                 )
-            tensor.copy_(saved[key])
+            tensor.copy_(shard_like(saved[key], tensor))  # a sharded replica keeps its part
     try:
         load_state_by_name(optimizer, ckpt.load_optimizer_states(path), names)
     except (KeyError, RuntimeError, TypeError, ValueError) as exc:

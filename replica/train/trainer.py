@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from replica.amp import GradScaler
 from replica.api import PipelineModel, auto_parallel
 from replica.defaults import TrainerConfig, default_config
 from replica.errors import ConfigError
@@ -104,6 +105,7 @@ class Trainer:
         self._call = self._call_start_epoch = 0
         self._calls = 0
         self._resume_checked = False
+        self.scaler: GradScaler | None = None  # fp16's loss scaler, made with the pipeline
         self._resumed: dict[str, Any] | None = None  # the trainer state of the checkpoint loaded, until its call
         self._last_saved_step: int | None = None
         self._due = False  # a checkpoint fell due on an epoch's last step
@@ -168,8 +170,11 @@ class Trainer:
         pm = auto_parallel(self.model, args, example_kwargs=kwargs, num_stages=c.num_stages,
                            num_microbatches=c.num_microbatches, schedule=c.schedule, loss_fn=self.loss,
                            loss_reduction=self.loss_reduction,
-                           data_parallel_size=self._replicas_asked(),
+                           data_parallel_size=self._replicas_asked(), mixed_precision=c.precision,
+                           sharded_data_parallel=c.sharded_data_parallel,
                            timeout_s=c.timeout_s, **materialize)
+        # fp16 steps through a loss scaler whose inf checks every rank shares
+        self.scaler = GradScaler(device=pm.device, timeout_s=c.timeout_s) if c.precision == "fp16" else None
         held = dict(pm.named_parameters())
         self._names = {id(p): name for name, p in held.items()}
         self.optimizer = make_optimizer(self._optimizer_arg, self._model_names, held)
@@ -293,8 +298,11 @@ class Trainer:
                 )
             inputs, target = self._to_device(batch)  # the global batch: each replica trains its slice
             pm.zero_grad()
-            loss = float(pm.train_step(inputs, target))
-            if self.optimizer is not None:
+            loss = float(pm.train_step(inputs, target, scaler=self.scaler))
+            if self.optimizer is not None and self.scaler is not None:
+                self.scaler.step(self.optimizer)  # skipped on every rank when any rank's gradients overflowed
+                self.scaler.update()
+            elif self.optimizer is not None:
                 self.optimizer.step()
             self.step += 1
             self._batch_in_epoch += 1
@@ -327,6 +335,7 @@ class Trainer:
         p = pm.plan
         meta = {"step": self.step, "epoch": self.epoch, "batch": self._batch_in_epoch, "call": self._call,
                 "call_start_epoch": self._call_start_epoch, **self._run,
+                **({} if self.scaler is None else {"scaler": self.scaler.state_dict()}),  # fp16's loss scale
                 "layout": {"num_stages": p.num_stages, "num_microbatches": p.num_microbatches,
                            "schedule": p.schedule, "data_parallel_size": p.data_parallel_size,
                            "world_size": self.world_size}}
@@ -347,6 +356,8 @@ class Trainer:
             raise
         self._all_ok(None)
         meta["path"] = found
+        if self.scaler is not None and meta.get("scaler"):
+            self.scaler.load_state_dict(meta["scaler"])
         self.step, self.epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch"]
         self._last_saved_step = self.step
         self.resumed_from = Path(found)
