@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import replica  # noqa: E402
 from benchmarks.big_model import peak_rss, rss_now  # noqa: E402
+from benchmarks.mixed_precision import reset_peak  # noqa: E402
 from benchmarks.pipeline_vs_torch import CONFIG, build, timed  # noqa: E402
 from examples.gpt.model import loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
@@ -254,22 +255,13 @@ def _hwm() -> int:
         return int(re.search(r"VmHWM:\s+(\d+)", f.read())[1]) * 1024
 
 
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def memory_job(rank: int, world: int, sharding: str, steps: int, batch: int, microbatches: int) -> dict:
     _quiet()
     before = rss_now()
     pm, optimizer, x, y = make(sharding, world, batch, microbatches)
     dist.barrier()
     baseline = rss_now()
-    reset = _reset_hwm()
+    reset = reset_peak()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
