@@ -135,10 +135,11 @@ class Layout:
                 f"{kind.name!r} yet: FSDP reduces a weight's gradient when autograd makes it, before a deferred "
                 "W action. Use gpipe, 1f1b or interleaved with sharding"
             )
-        if self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size > 1 and self.sharded:
             raise ConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not built yet; "
-                "use tensor_parallel_size=1 (or None)"
+                f"sharded data parallelism (sharding={self.sharding!r}) with tensor_parallel_size="
+                f"{self.tensor_parallel_size} is not built yet (FSDP2 over a 2-D mesh): use sharding='none' "
+                "with tensor parallelism, or tensor_parallel_size=1 with sharding"
             )
         kind.check_stages(self.num_stages, self.pipeline_ranks)
 
@@ -180,42 +181,63 @@ class Layout:
 
     # --- making one --------------------------------------------------------------------
     @classmethod
-    def for_stages(cls, schedule: str, num_stages: int | None = None, *, data_parallel_size: int = 1) -> "Layout":
+    def for_stages(cls, schedule: str, num_stages: int | None = None, *, data_parallel_size: int = 1,
+                   tensor_parallel_size: int = 1) -> "Layout":
         """``num_stages`` stages (default: the schedule's stages on one rank each, or two)
-        on the pipeline ranks the schedule gives them."""
+        on the pipeline ranks the schedule gives them, each rank ``tensor_parallel_size`` shards."""
         kind = schedule_kind(schedule)
         stages = num_stages if num_stages is not None else kind.stages_per_rank
         return cls(schedule=kind.name, num_stages=stages, pipeline_ranks=kind.pipeline_ranks(stages),
-                   data_parallel_size=data_parallel_size)
+                   data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size)
 
     @classmethod
     def for_world(cls, schedule: str, world_size: int, *, num_stages: int | None = None,
-                  data_parallel_size: int | None = None) -> "Layout":
-        """The layout of ``world_size`` processes: ``num_stages`` (default: the schedule's
-        stages per rank on every rank left after ``data_parallel_size``, default 1) decides
-        the pipeline ranks, the rest of the world are replicas. Errors name what fits."""
+                  data_parallel_size: int | None = None, tensor_parallel_size: int = 1) -> "Layout":
+        """The layout of ``world_size`` processes: ``tensor_parallel_size`` (default 1) ranks
+        per stage, then ``num_stages`` (default: the schedule's stages per rank on every rank
+        left after ``data_parallel_size``, default 1) decides the pipeline ranks, the rest of
+        the world are replicas. Errors name what fits."""
         _positive("world_size", world_size)
+        _positive("tensor_parallel_size", tensor_parallel_size)
         kind = schedule_kind(schedule)
+        t = tensor_parallel_size
+        if world_size % t:
+            raise ConfigError(
+                f"tensor_parallel_size={t} does not divide the world size {world_size}; use one of "
+                f"{[k for k in range(1, world_size + 1) if world_size % k == 0]}"
+            )
+        groups = world_size // t  # the stage groups: pipeline ranks x replicas
+        per = f" (world_size {world_size} / tensor_parallel_size {t})" if t > 1 else ""
         if num_stages is None or kind.placement != "one":
             d = data_parallel_size or 1
-            if world_size % d:
+            if groups % d:
                 raise ConfigError(
+                    f"data_parallel_size={d} does not divide the {groups} ranks of each tensor-parallel shard{per}; "
+                    f"use one of {[k for k in range(1, groups + 1) if groups % k == 0]}" if t > 1 else
                     f"data_parallel_size={d} does not divide the world size {world_size}; use one of "
                     f"{[k for k in range(1, world_size + 1) if world_size % k == 0]}"
                 )
-            p = world_size // d
+            p = groups // d
             stages = num_stages if num_stages is not None else kind.stages_per_rank * p
-            return cls(schedule=kind.name, num_stages=stages, pipeline_ranks=p, data_parallel_size=d)
-        if world_size % num_stages:
+            return cls(schedule=kind.name, num_stages=stages, pipeline_ranks=p, data_parallel_size=d,
+                       tensor_parallel_size=t)
+        if groups % num_stages:
+            where = f"the {groups} ranks{per}" if t > 1 else f"the world size {world_size}"
             raise ConfigError(
-                f"num_stages={num_stages} does not divide the world size {world_size}: with one stage per rank, "
-                f"world_size = num_stages × data-parallel replicas. Use num_stages in "
-                f"{[k for k in range(1, world_size + 1) if world_size % k == 0]}"
+                f"num_stages={num_stages} does not divide {where}: with one stage per rank, "
+                f"world_size = num_stages × data-parallel replicas"
+                + (" × tensor_parallel_size" if t > 1 else "")
+                + f". Use num_stages in {[k for k in range(1, groups + 1) if groups % k == 0]}"
             )
-        d = world_size // num_stages
+        d = groups // num_stages
         if data_parallel_size not in (None, d):
+            fix = ""
+            if t == 1 and world_size % (num_stages * data_parallel_size) == 0:
+                fix = f" (tensor_parallel_size={world_size // (num_stages * data_parallel_size)} would leave them)"
             raise ConfigError(
-                f"num_stages={num_stages} on {world_size} ranks leaves {d} data-parallel replicas, "
-                f"not data_parallel_size={data_parallel_size}"
+                f"num_stages={num_stages} on {world_size} ranks"
+                + (f" with tensor_parallel_size={t}" if t > 1 else "")
+                + f" leaves {d} data-parallel replicas, not data_parallel_size={data_parallel_size}{fix}"
             )
-        return cls(schedule=kind.name, num_stages=num_stages, pipeline_ranks=num_stages, data_parallel_size=d)
+        return cls(schedule=kind.name, num_stages=num_stages, pipeline_ranks=num_stages, data_parallel_size=d,
+                   tensor_parallel_size=t)

@@ -207,7 +207,7 @@ def test_auto_parallel_refuses_what_it_cannot_run(mlp):
     msg = error(replica.ConfigError, replica.plan, mlp.model, mlp.example_inputs, data_parallel_size=2)
     assert "data_parallel_size=2 needs a world of processes: give world_size=" in msg
     msg = error(replica.ConfigError, replica.auto_parallel, mlp.model, mlp.example_inputs, tensor_parallel_size=2)
-    assert "tensor parallelism is not built yet" in msg
+    assert "tensor_parallel_size=2 needs a world of processes" in msg
 
 
 def test_plan_num_stages_must_divide_world_size(mlp):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import replica
-from replica.layout import SCHEDULE_KINDS, TUNED_SCHEDULES, Layout, schedule_kind, schedule_names
+from replica.layout import Coordinates, SCHEDULE_KINDS, TUNED_SCHEDULES, Layout, schedule_kind, schedule_names
 from replica.pipeline.schedule import make_schedule, placement, splits_backward
 
 
@@ -85,6 +85,11 @@ def test_a_layout_is_validated_once_where_it_is_made():
         Layout(schedule="gpipe", num_stages=3, pipeline_ranks=2)
     with pytest.raises(replica.ConfigError, match="data_parallel_size must be a positive int, got 0"):
         Layout(schedule="1f1b", num_stages=1, pipeline_ranks=1, data_parallel_size=0)
-    with pytest.raises(replica.ConfigError, match="tensor parallelism is not built yet"):
-        Layout(schedule="1f1b", num_stages=1, pipeline_ranks=1, tensor_parallel_size=2)
+    with pytest.raises(replica.ConfigError, match="sharding='zero3'.*tensor_parallel_size=2 is not built yet"):
+        Layout(schedule="1f1b", num_stages=1, pipeline_ranks=1, data_parallel_size=2, tensor_parallel_size=2,
+               sharding="zero3")
+    tp = Layout(schedule="1f1b", num_stages=2, pipeline_ranks=2, data_parallel_size=2, tensor_parallel_size=2)
+    assert tp.world_size == 8 and tp.coordinates(5) == Coordinates(pipeline_rank=0, data_parallel_rank=1,
+                                                                      tensor_parallel_rank=1)
+    assert [tp.global_rank(1, 1, t) for t in range(2)] == [6, 7]  # the shards of a stage are neighbours
     assert Layout(schedule="GPipe", num_stages=1, pipeline_ranks=1).schedule == "gpipe"

@@ -17,7 +17,8 @@ from replica.errors import ConfigError
 from replica.partition.graph import Node
 from replica.partition.profile import OpTimes
 
-__all__ = ["DeviceSpec", "CostModel", "device_spec", "preset_for_cuda_device", "ring_collective_time", "PRESETS"]
+__all__ = ["DeviceSpec", "CostModel", "TensorParallelCosts", "device_spec", "preset_for_cuda_device",
+           "ring_collective_time", "PRESETS"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,6 +263,26 @@ def device_spec(device: "str | DeviceSpec | torch.device | None") -> DeviceSpec:
 
 
 @dataclass(frozen=True)
+class TensorParallelCosts:
+    """What cutting structures across ``size`` tensor-parallel ranks does to the ops' prices
+    (:mod:`replica.planner.tensor_parallel` makes one from the plan's blocks).
+
+    ``sharded``: the ops that compute on shards: their FLOPs and bytes moved (or, measured,
+    the part of their time that grows with the batch) are divided by ``size``; their launch
+    overhead is not. ``forward`` / ``backward``: per op, the ring collectives over the
+    tensor-parallel group that follow it in its forward / its backward, each ``(bytes of the
+    whole tensor at the traced batch, passes)``: an exit's output all-reduced (2 passes) or
+    all-gathered (1), an entry's gradient all-reduced (2). Each runs once per micro-batch call
+    on the critical path (not overlapped with compute), over ``size`` ranks that are neighbours
+    (a node's links while ``size <= devices_per_node``)."""
+
+    size: int
+    sharded: frozenset[str] = frozenset()
+    forward: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+    backward: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Prices for ops and transfers.
 
@@ -272,7 +293,9 @@ class CostModel:
     weight). Ops found in ``measured`` (per micro-batch call, from :func:`profile`) use
     their measured times instead (timed on ``measured_fraction`` of the traced batch).
     ``batch_fraction`` prices a share of the traced batch (one data-parallel replica's,
-    when the graph was traced at the global batch).
+    when the graph was traced at the global batch). ``tensor_parallel`` (None: no tensor
+    parallelism) divides the work of the ops computing on shards and adds the collectives of
+    the tensor-parallel group to the ops they follow (:class:`TensorParallelCosts`).
     """
 
     device: DeviceSpec
@@ -281,6 +304,39 @@ class CostModel:
     measured: Mapping[str, OpTimes] = field(default_factory=dict)
     batch_fraction: float = 1.0
     measured_fraction: float = 1.0
+    tensor_parallel: TensorParallelCosts | None = None
+
+    def _share(self, node: Node) -> float:
+        """The share of ``node``'s work one rank does: ``1 / size`` for an op computing on shards."""
+        tp = self.tensor_parallel
+        return 1.0 / tp.size if tp is not None and node.name in tp.sharded else 1.0
+
+    def collective_time(self, node: Node, num_calls: int = 1, backward: bool = False) -> float:
+        """Seconds of the tensor-parallel collectives that follow ``node``'s forward (or its
+        backward) over the traced batch (times ``batch_fraction``) in ``num_calls`` micro-batches."""
+        tp = self.tensor_parallel
+        if tp is None or node.kind != "op":
+            return 0.0
+        found = (tp.backward if backward else tp.forward).get(node.name, ())
+        return sum(ring_collective_time(self.device, nbytes * self.batch_fraction, tp.size, tp.size,
+                                        passes=passes, calls=num_calls) for nbytes, passes in found)
+
+    def collective_bytes(self, node: Node, backward: bool = False) -> float:
+        """Bytes of the whole tensors the tensor-parallel collectives after ``node``'s forward
+        (or backward) run on, over the traced batch (times ``batch_fraction``)."""
+        tp = self.tensor_parallel
+        if tp is None or node.kind != "op":
+            return 0.0
+        return sum(nbytes for nbytes, _ in (tp.backward if backward else tp.forward).get(node.name, ())) \
+            * self.batch_fraction
+
+    def _collective_latency(self, node: Node, backward: bool) -> float:
+        """The part of one call's tensor-parallel collectives that does not shrink with the micro-batch."""
+        tp = self.tensor_parallel
+        if tp is None:
+            return 0.0
+        found = (tp.backward if backward else tp.forward).get(node.name, ())
+        return sum(passes * (tp.size - 1) * self.device.link_latency_s for _, passes in found)
 
     def scaled(self, nbytes: float) -> float:
         """Bytes of a tensor traced at the full batch, for the share of it this model prices."""
@@ -288,45 +344,51 @@ class CostModel:
 
     def _analytic(self, node: Node, num_calls: int) -> float:
         d = self.device
-        nbytes = node.bytes_accessed * self.batch_fraction
+        share = self._share(node)
+        nbytes = node.bytes_accessed * self.batch_fraction * share
         bandwidth = d.bandwidth(nbytes / max(1, num_calls))
         rate = d.peak(node.compute_dtype or self.dtype)  # an op's own dtype where autocast chose one
-        return node.flops / rate * self.batch_fraction + nbytes / bandwidth + num_calls * d.op_overhead_s
+        return node.flops * share / rate * self.batch_fraction + nbytes / bandwidth + num_calls * d.op_overhead_s
 
     def call_overhead(self, node: Node, backward: bool = False) -> float:
         """The part of one call's time that does not shrink with the micro-batch."""
         if node.kind != "op":
             return 0.0
+        collective = self._collective_latency(node, backward)
         if node.name in self.measured:
             t = self.measured[node.name]
             seconds, fixed = (t.backward_s, t.backward_fixed_s) if backward else (t.forward_s, t.forward_fixed_s)
-            return min(seconds, self.device.op_overhead_s if fixed is None else fixed)
-        return (self.backward_factor if backward else 1.0) * self.device.op_overhead_s
+            return min(seconds, self.device.op_overhead_s if fixed is None else fixed) + collective
+        return (self.backward_factor if backward else 1.0) * self.device.op_overhead_s + collective
 
     def forward_time(self, node: Node, num_calls: int = 1) -> float:
         """Seconds to run ``node`` over the traced batch (times ``batch_fraction``), split
         into ``num_calls`` micro-batches."""
         if node.kind != "op":
             return 0.0
+        collective = self.collective_time(node, num_calls) if self.tensor_parallel is not None else 0.0
         if node.name in self.measured:
             t = self.measured[node.name]
-            return self._from_measured(t.forward_s, t.forward_fixed_s, num_calls) + self._cache_shift(node, num_calls)
-        return self._analytic(node, num_calls)
+            return self._from_measured(t.forward_s, t.forward_fixed_s, num_calls, self._share(node)) \
+                + self._cache_shift(node, num_calls) + collective
+        return self._analytic(node, num_calls) + collective
 
-    def _from_measured(self, seconds: float, fixed: float | None, num_calls: int) -> float:
+    def _from_measured(self, seconds: float, fixed: float | None, num_calls: int, share: float = 1.0) -> float:
         """A call timed on ``measured_fraction`` of the traced batch: a fixed cost per call
-        (measured, else the device's launch overhead) plus work in proportion to the samples."""
+        (measured, else the device's launch overhead) plus work in proportion to the samples
+        (times ``share``: one tensor-parallel rank's part of it)."""
         fixed = min(seconds, self.device.op_overhead_s if fixed is None else fixed)
-        return num_calls * fixed + (seconds - fixed) / self.measured_fraction * self.batch_fraction
+        return num_calls * fixed + (seconds - fixed) / self.measured_fraction * self.batch_fraction * share
 
     def backward_time(self, node: Node, num_calls: int = 1) -> float:
         if node.kind != "op":
             return 0.0
+        collective = self.collective_time(node, num_calls, backward=True) if self.tensor_parallel is not None else 0.0
         if node.name in self.measured:
             t = self.measured[node.name]
-            return self._from_measured(t.backward_s, t.backward_fixed_s, num_calls) \
-                + self.backward_factor * self._cache_shift(node, num_calls)
-        return self.backward_factor * self._analytic(node, num_calls)
+            return self._from_measured(t.backward_s, t.backward_fixed_s, num_calls, self._share(node)) \
+                + self.backward_factor * self._cache_shift(node, num_calls) + collective
+        return self.backward_factor * self._analytic(node, num_calls) + collective
 
     def _cache_shift(self, node: Node, num_calls: int) -> float:
         """A measured op scaled to another size: what its bytes gain or lose when one call's
@@ -335,7 +397,7 @@ class CostModel:
         d = self.device
         if d.cache_bandwidth <= 0:
             return 0.0
-        per_call = node.bytes_accessed * self.batch_fraction / max(1, num_calls)
+        per_call = node.bytes_accessed * self.batch_fraction * self._share(node) / max(1, num_calls)
         timed = node.bytes_accessed * self.measured_fraction
         return num_calls * per_call * (1 / d.bandwidth(per_call) - 1 / d.bandwidth(timed))
 

@@ -249,6 +249,7 @@ def partition(
     in_flight: Sequence[int] | None = None,
     bounds: Sequence[int] | None = None,
     stage_ranks: Sequence[int] | None = None,
+    together: Sequence[Sequence[str]] = (),
 ) -> Plan:
     """Cut ``graph`` into ``num_stages`` contiguous stages (in its topological order) so that
     the slowest stage — its compute plus everything it sends and receives — is as fast as
@@ -262,6 +263,8 @@ def partition(
     bK = len(graph)``) imposes the cuts instead of solving: hand splits, for comparison.
     ``stage_ranks[k]`` is the rank stage k runs on: where a rank holds several stages
     (interleaved, V), the cuts then move to balance each rank's sum, not only each stage.
+    ``together``: groups of node names no cut may fall between (the first and the last of
+    each), as the structures cut across tensor-parallel ranks.
     """
     models = list(cost_model) if isinstance(cost_model, (list, tuple)) else [cost_model] * num_stages
     if len(models) != num_stages:
@@ -302,6 +305,10 @@ def partition(
         if n.writes_into is not None:  # a write through a view happens where its base lives
             for p in range(index[n.writes_into] + 1, i + 1):
                 allowed[p] = False
+    for group in together:  # a tensor-parallel block lives on one stage
+        where = [index[name] for name in group]
+        for p in range(min(where) + 1, max(where) + 1):
+            allowed[p] = False
     exact = sum(allowed) <= MAX_EXACT_POSITIONS
     cuts = [p for p in range(len(nodes) + 1) if allowed[p]] if exact else \
         _cut_candidates(graph, allowed, min(MAX_EXACT_POSITIONS, max(400, 8 * num_stages)))
@@ -552,6 +559,13 @@ def _describe(
         fixed_bwd = sum(cm.call_overhead(n, backward=True) for n in members)
         fwd = sum(cm.forward_time(n, m) for n in members)
         bwd = sum(cm.backward_time(n, m) for n in members) + (fwd if memory_model.recompute else 0.0)
+        tensor_parallel, tensor_parallel_bytes = 0.0, 0.0
+        if cm.tensor_parallel is not None:  # in fwd and bwd already: said apart for the summary
+            again = 2 if memory_model.recompute else 1
+            tensor_parallel = sum(again * cm.collective_time(n, m) + cm.collective_time(n, m, backward=True)
+                                  for n in members)
+            tensor_parallel_bytes = sum(again * cm.collective_bytes(n) + cm.collective_bytes(n, backward=True)
+                                        for n in members)
         comm = sum(
             (2 if b.dtype is not None and TensorInfo((), b.dtype).is_floating else 1)
             * cm.transfer_time(b.nbytes, num_messages=0)
@@ -578,6 +592,8 @@ def _describe(
             activation_bytes=saved,
             fixed_forward_s=fixed_fwd,
             fixed_backward_s=fixed_bwd + (fixed_fwd if memory_model.recompute else 0.0),
+            tensor_parallel_s=tensor_parallel,
+            tensor_parallel_bytes=int(tensor_parallel_bytes),
         ))
     step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}

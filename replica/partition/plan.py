@@ -10,6 +10,7 @@ from typing import Any
 
 from replica.errors import ConfigError
 from replica.layout import Layout
+from replica.partition.tensor_parallel import ShardedBlock
 
 __all__ = ["BoundaryTensor", "MemoryBreakdown", "StagePlan", "Plan"]
 
@@ -74,6 +75,12 @@ class StagePlan:
     collective_s: float = 0.0
     exposed_collective_s: float = 0.0
     gathers: int = 0
+    # the tensor-parallel collectives of the stage's step (all-reduces and all-gathers over
+    # its tensor-parallel group, replica.planner.tensor_parallel): part of forward_time_s and
+    # backward_time_s, which they are not overlapped with; 0.0 without tensor parallelism;
+    # and the bytes of the whole tensors they run on (ring all-reduces and all-gathers), a step
+    tensor_parallel_s: float = 0.0
+    tensor_parallel_bytes: int = 0
 
     @property
     def predicted_time_s(self) -> float:
@@ -132,6 +139,9 @@ class Plan:
     # all of them, and what its compute does not hide (in predicted_step_time_s)
     collective_s: float = 0.0
     exposed_collective_s: float = 0.0
+    # the structures cut across the layout's tensor-parallel ranks (replica.partition.
+    # tensor_parallel): () with tensor_parallel_size 1, or where nothing in the graph shards
+    tensor_parallel: tuple[ShardedBlock, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -212,6 +222,33 @@ class Plan:
                 f"all-gathered{dtype} {count} time{'s' if count != '1' else ''} a step, its gradients "
                 f"reduce-scattered once: {times}")
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.layout.tensor_parallel_size
+
+    def blocks_of(self, stage_index: int) -> tuple[ShardedBlock, ...]:
+        """The tensor-parallel blocks stage ``stage_index`` holds (a block is never cut by the pipeline)."""
+        names = set(self.stages[stage_index].node_names)
+        return tuple(b for b in self.tensor_parallel if b.nodes[0] in names)
+
+    @property
+    def tensor_parallel_note(self) -> str:
+        """One line on the tensor-parallel ranks and their collectives ("" with one rank per stage)."""
+        t = self.tensor_parallel_size
+        if t == 1:
+            return ""
+        if not self.tensor_parallel:
+            return (f"tensor parallel: {t} ranks per stage, but no block of the graph can be cut {t} ways: "
+                    "every rank computes its whole stage")
+        kinds: dict[str, int] = {}
+        for b in self.tensor_parallel:
+            kinds[b.kind] = kinds.get(b.kind, 0) + 1
+        cut = ", ".join(f"{n} {kind}{'s' if n != 1 and kind != 'attention' else ''}" for kind, n in kinds.items())
+        busiest = max(self.stages, key=lambda s: s.tensor_parallel_s)
+        return (f"tensor parallel: {t} ranks per stage, {cut} cut across them; their collectives (all-reduces, "
+                f"all-gathers, not overlapped) on the busiest stage ({busiest.stage_index}): "
+                f"{_bytes(busiest.tensor_parallel_bytes)} in {_seconds(busiest.tensor_parallel_s)} a step")
+
     def stage_of(self, node_name: str) -> int:
         for s in self.stages:
             if node_name in s.node_names:
@@ -250,7 +287,8 @@ class Plan:
                     activation_bytes=s.get("activation_bytes", 0),
                     fixed_forward_s=s.get("fixed_forward_s", 0.0), fixed_backward_s=s.get("fixed_backward_s", 0.0),
                     collective_s=s.get("collective_s", 0.0), exposed_collective_s=s.get("exposed_collective_s", 0.0),
-                    gathers=s.get("gathers", 0),
+                    gathers=s.get("gathers", 0), tensor_parallel_s=s.get("tensor_parallel_s", 0.0),
+                    tensor_parallel_bytes=s.get("tensor_parallel_bytes", 0),
                 )
                 for s in data.pop("stages")
             )
@@ -260,6 +298,7 @@ class Plan:
             data["rebuilds"] = tuple((int(k), str(kind)) for k, kind in data.get("rebuilds", ()))
             data["dynamic_dims"] = tuple(tuple(int(d) for d in dims) for dims in data.get("dynamic_dims", ()))
             data["actions"] = tuple(tuple(str(a) for a in actions) for actions in data.get("actions", ()))
+            data["tensor_parallel"] = tuple(ShardedBlock.from_dict(b) for b in data.get("tensor_parallel", ()))
             if version == 1:  # the layout's figures stood at the top
                 ranks = data.pop("pipeline_ranks", 0) or data["num_stages"]
                 data["layout"] = {"schedule": data.pop("schedule"), "num_stages": data.pop("num_stages"),
@@ -285,8 +324,9 @@ class Plan:
             rebuild = ", rebuilding " + ", ".join(
                 f"{names.get(kind, kind)} outputs on stages {[k for k, c in self.rebuilds if c == kind]}"
                 for kind in kinds)
+        tensor = f" × {self.tensor_parallel_size} tensor-parallel ranks" if self.tensor_parallel_size > 1 else ""
         table = Table(title=(
-            f"{self.model_name}: {self.num_stages} stages × {self.data_parallel_size} "
+            f"{self.model_name}: {self.num_stages} stages{tensor} × {self.data_parallel_size} "
             f"{self.layout.sharding + '-sharded ' if self.layout.sharded else ''}"
             f"replica{'s' if self.data_parallel_size != 1 else ''}, "
             f"{self.num_microbatches} micro-batches, {self.schedule}"
@@ -311,6 +351,8 @@ class Plan:
             f"bubble {self.bubble_fraction:.0%}"
         )
         lines.append(self.precision_note)
+        if self.tensor_parallel_note:
+            lines.append(self.tensor_parallel_note)
         if self.data_parallel_note:
             lines.append(self.data_parallel_note)
         if self.microbatch_shares:

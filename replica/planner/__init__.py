@@ -16,13 +16,14 @@ import torch
 
 from replica.errors import ConfigError, PartitionError
 from replica.layout import SHARDINGS, Layout, schedule_kind
-from replica.partition.partitioner import MemoryModel
+from replica.partition.partitioner import MemoryModel, fingerprint
 from replica.partition.plan import Plan
 from replica.partition.trace import Traced
 from replica.pipeline.schedule import plan_schedule
 from replica.planner.options import PlannerOptions
 from replica.planner.pricing import Pricing, default_microbatches
 from replica.planner.refine import finish
+from replica.planner.tensor_parallel import tensor_parallel_choices
 from replica.planner.tuner import tune
 from replica.precision import precision_name
 
@@ -53,6 +54,12 @@ class PlanRequest:
     :attr:`replica.layout.Layout.sharding`): None lets the planner weigh "none", "zero3" and
     "zero2" like the rest of the layout; True shards (zero3 or zero2, whichever it predicts
     faster within memory); False never does; a name of :data:`~replica.layout.SHARDINGS` fixes it.
+    ``tensor_parallel_size``: the ranks that shard each stage's blocks (Megatron-style tensor
+    parallelism, :mod:`replica.planner.tensor_parallel`); an int fixes it (it must divide
+    ``world_size``); None lets the tuner choose among the divisors of the device's
+    ``devices_per_node`` that divide the world (one group within a node's links), where it
+    tunes; a fixed layout (named schedule, stage and micro-batch counts given) and one process
+    (``world_size`` None) keep 1. Not with sharded replicas (FSDP2 over a 2-D mesh is not built).
     """
 
     world_size: int | None = None
@@ -75,11 +82,6 @@ class PlanRequest:
     def __post_init__(self) -> None:
         for name in ("world_size", "num_stages", "num_microbatches", "data_parallel_size", "tensor_parallel_size"):
             check_count(name, getattr(self, name))
-        if self.tensor_parallel_size not in (None, 1):
-            raise ConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not built yet; "
-                "leave it None (or 1)"
-            )
         name = "1f1b" if self.schedule is None else self.schedule
         if not (isinstance(name, str) and name.lower() == "auto"):
             name = schedule_kind(name).name
@@ -106,9 +108,63 @@ class PlanRequest:
                 f"data_parallel_size={self.data_parallel_size} needs a world of processes: give world_size= to "
                 "replica.plan, or run auto_parallel under torchrun"
             )
+        self._check_tensor_parallel()
         if self.world_size is not None and self.num_stages is not None and self.schedule != "auto":
-            Layout.for_world(self.schedule, self.world_size, num_stages=self.num_stages,
-                             data_parallel_size=self.data_parallel_size)  # the stages must fit the world
+            t = self.tensor_parallel_fixed()
+            if t is not None:
+                Layout.for_world(self.schedule, self.world_size, num_stages=self.num_stages,
+                                 data_parallel_size=self.data_parallel_size, tensor_parallel_size=t)
+            else:  # the tuner picks t: the stages must fit the world with one of them
+                errors = []
+                for t in [k for k in range(1, self.world_size + 1) if self.world_size % k == 0]:
+                    try:
+                        Layout.for_world(self.schedule, self.world_size, num_stages=self.num_stages,
+                                         data_parallel_size=self.data_parallel_size, tensor_parallel_size=t)
+                        break
+                    except ConfigError as exc:
+                        errors.append(exc)
+                else:
+                    raise errors[0]
+
+    def _check_tensor_parallel(self) -> None:
+        t = self.tensor_parallel_size
+        if t is None or t == 1:
+            return
+        if self.world_size is None:
+            raise ConfigError(
+                f"tensor_parallel_size={t} needs a world of processes (each stage's blocks sharded over {t} "
+                f"ranks): give world_size= to replica.plan, or run auto_parallel under torchrun")
+        if self.world_size % t:
+            raise ConfigError(
+                f"tensor_parallel_size={t} does not divide world_size={self.world_size}: world_size = "
+                f"data_parallel_size × pipeline ranks × tensor_parallel_size. Use tensor_parallel_size in "
+                f"{[k for k in range(1, self.world_size + 1) if self.world_size % k == 0]}, or a world_size "
+                f"that is a multiple of {t}")
+        if self.sharded_data_parallel not in (None, False, "none"):
+            raise ConfigError(
+                f"tensor_parallel_size={t} with sharded_data_parallel={self.sharded_data_parallel!r}: sharded "
+                "replicas over tensor-parallel stages (FSDP2 on a 2-D mesh) are not built yet; use "
+                "sharded_data_parallel=None / False with tensor parallelism, or tensor_parallel_size=1")
+
+    def tensor_parallel_fixed(self) -> int | None:
+        """The tensor-parallel size the request fixes, or None where the tuner picks it:
+        one process, a layout the request fixes (see :attr:`tuning`), replicas that must
+        shard, and a per-rank batch whose replicas the request does not fix keep 1."""
+        if self.tensor_parallel_size is not None:
+            return self.tensor_parallel_size
+        if self.world_size is None or not self.tuning or "none" not in self.shardings:
+            return 1
+        if self.batch == "per_rank" and self.data_parallel_size is None:
+            return 1
+        return None
+
+    def tensor_parallel_choices(self, devices_per_node: int) -> tuple[int, ...]:
+        """The tensor-parallel sizes the planner may use on a device of ``devices_per_node``."""
+        t = self.tensor_parallel_fixed()
+        if t is not None:
+            return (t,)
+        assert self.world_size is not None
+        return tuple(tensor_parallel_choices(self.world_size, devices_per_node))
 
     @property
     def tuning(self) -> bool:
@@ -134,8 +190,10 @@ class PlanRequest:
             return 1
         if self.data_parallel_size is not None:
             return self.data_parallel_size
-        if self.schedule != "auto" and self.num_stages is not None:
-            return Layout.for_world(self.schedule, self.world_size, num_stages=self.num_stages).data_parallel_size
+        t = self.tensor_parallel_fixed()
+        if self.schedule != "auto" and self.num_stages is not None and t is not None:
+            return Layout.for_world(self.schedule, self.world_size, num_stages=self.num_stages,
+                                    tensor_parallel_size=t).data_parallel_size
         return None
 
 
@@ -151,7 +209,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
             raise ConfigError(
                 f"batch='per_rank' means each replica is fed its own batch, so the number of replicas must be "
                 f"fixed before planning: give data_parallel_size= (a divisor of {r.world_size}), or num_stages= "
-                "with a named schedule; or pass the whole batch with batch='global' and let the planner choose"
+                "with a named schedule (and tensor_parallel_size=); or pass the whole batch with batch='global' and "
+                "let the planner choose"
             )
         scale = fixed
     pricing = Pricing(traced, model, device=r.device, cost=r.cost, memory_budget=r.memory_budget,
@@ -164,21 +223,24 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
         world = r.world_size if r.world_size is not None else (r.num_stages or 1)
         schedules = None if r.schedule == "auto" else (r.schedule,)
         best, _ = tune(lambda layout, m, within, again: pricing.partition_for(layout, m, within_budget=within,
-                                                                                recompute=again),
+                                                                                recompute=again, simulated=within),
                        lambda plan, layout, schedule: pricing.collectives(pricing.reshard(plan, layout), layout,
                                                                           schedule),
                        world_size=world, batch=pricing.global_batch, num_ops=len(traced.graph.op_nodes),
                        device=pricing.spec, memory_budget=pricing.budget_per_device(), num_stages=r.num_stages,
                        num_microbatches=r.num_microbatches, data_parallel_size=r.replicas_fixed(),
                        recompute=(False, True) if full is None else (full,), shardings=r.shardings,
+                       tensor_parallel_sizes=_worth_cutting(pricing, r.tensor_parallel_choices(
+                           pricing.spec.devices_per_node), r.tensor_parallel_size is not None),
                        options=r.options, **({} if schedules is None else {"schedules": schedules}))
         plan = best
     else:
+        t = r.tensor_parallel_fixed() or 1
         if r.world_size is None:
             layout = Layout.for_stages(r.schedule, r.num_stages)
         else:
             layout = Layout.for_world(r.schedule, r.world_size, num_stages=r.num_stages,
-                                      data_parallel_size=r.data_parallel_size)
+                                      data_parallel_size=r.data_parallel_size, tensor_parallel_size=t)
         m = r.num_microbatches or default_microbatches(pricing.global_batch // layout.data_parallel_size,
                                                        layout.num_stages)
         plan = _shard_fixed(pricing, layout, m, bool(full), r.shardings, r.options.tie)
@@ -187,7 +249,18 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
         plan = dataclasses.replace(plan, pointwise_recompute=True)
     # the action lists, once, from the final plan: every rank, the simulator and the report read them
     actions = tuple(tuple(str(a) for a in rank) for rank in plan_schedule(plan))
-    return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims, actions=actions)
+    # the traced graph's own fingerprint (a tensor-parallel plan is priced on a copy with cut shapes)
+    return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims, actions=actions,
+                               graph_fingerprint=fingerprint(traced.graph))
+
+
+def _worth_cutting(pricing: Pricing, sizes: Sequence[int], asked: bool) -> tuple[int, ...]:
+    """The tensor-parallel sizes worth pricing: 1, and those that cut at least one block
+    (without one a tensor-parallel group only replicates its stage); all of them where the
+    request fixed the size."""
+    if asked:
+        return tuple(sizes)
+    return tuple(t for t in sizes if t == 1 or pricing.blocks_for(t))
 
 
 def _check_shardable(r: PlanRequest) -> None:
@@ -212,7 +285,8 @@ def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, shar
     holding least memory, as the tuner takes). Where none fits, the error of the leanest
     (zero3's, where it was tried)."""
     kind = schedule_kind(layout.schedule)
-    allowed = [s for s in shardings if s == "none" or (layout.data_parallel_size > 1 and not kind.splits_backward)]
+    allowed = [s for s in shardings if s == "none" or (layout.data_parallel_size > 1 and not kind.splits_backward
+                                                      and layout.tensor_parallel_size == 1)]
     plans: list[Plan] = []
     errors: dict[str, PartitionError] = {}
     for sharding in allowed:

@@ -12,8 +12,13 @@ bf16 mixed precision, FSDP's ``MixedPrecisionPolicy.param_dtype``; else their ow
 reduce-scatter or an all-reduce the gradients in the weights' own dtype (fp32 reduction,
 ``MixedPrecisionPolicy.reduce_dtype``, as torchtitan and LLM Foundry run it). Time: ring
 collectives (:func:`~replica.partition.cost.ring_collective_time`) over the stage's group of
-replicas, which strides the world (rank = replica × pipeline ranks + pipeline rank): at the
-node's link rate while the world fits a node, at the network's once it spans nodes.
+replicas, which strides the world (rank = (replica × pipeline ranks + pipeline rank) ×
+tensor-parallel size + tensor-parallel rank: the group's ranks are P × t apart, its span the
+whole world): at the node's link rate while the world fits a node, at the network's once it
+spans nodes. With tensor parallelism each rank reduces (and all-gathers) only its shards:
+the stage's weights with its blocks' parameters at ``1 / t`` (``StageWeights`` of the graph one
+tensor-parallel rank holds, :meth:`replica.planner.pricing.Pricing.stage_weights`); the t groups
+of a stage's shards run at the same time, each device on its own share of the network.
 
 Overlap, one rule for both: a collective runs under the action it belongs to — a gather under
 the forward or backward (of one micro-batch) that needs the weights, the reduction under the
@@ -94,7 +99,7 @@ def price_collectives(spec: DeviceSpec, layout: Layout, weights: StageWeights, k
     module's docstring for the rules). ``hooked``: whether a replicated stage's last backward
     makes its gradients final as it goes, so that the buckets start under it (not where the
     backward defers weight gradients: W actions, or input gradients sent first)."""
-    d, span = layout.data_parallel_size, layout.world_size
+    d, span = layout.data_parallel_size, layout.world_size  # the group strides P x t ranks: the world
     if d == 1 or weights.nbytes == 0:
         return Collectives()
     if layout.sharded:

@@ -12,10 +12,12 @@ from torch.utils._pytree import tree_leaves
 from replica.errors import ConfigError
 from replica.layout import Layout
 from replica.partition.autocast import autocast_graph, target_device_type
-from replica.partition.cost import CostModel, DeviceSpec, device_spec, preset_for_cuda_device
+from replica.partition.cost import CostModel, DeviceSpec, TensorParallelCosts, device_spec, preset_for_cuda_device
+from replica.partition.graph import Graph
 from replica.partition.partitioner import MemoryModel, fsdp_unit, partition, reshard
 from replica.partition.plan import Plan
 from replica.partition.profile import profile
+from replica.partition.tensor_parallel import ShardedBlock, find_blocks
 from replica.partition.trace import Traced
 from replica.pipeline import microbatch
 from replica.pipeline.schedule import (Schedule, make_schedule, max_in_flight, placement, plan_schedule,
@@ -23,6 +25,7 @@ from replica.pipeline.schedule import (Schedule, make_schedule, max_in_flight, p
 from replica.pipeline.simulate import simulate, stage_costs_from_plan
 from replica.planner.dataparallel import StageWeights, with_collectives
 from replica.planner.options import PlannerOptions
+from replica.planner.tensor_parallel import MEMORY_SHARE, blocks_for, sharded_costs, sharded_graph, together
 from replica.precision import autocast_dtype
 
 __all__ = ["Pricing", "default_microbatches"]
@@ -65,7 +68,10 @@ class Pricing:
     Under a ``precision`` of "bf16" / "fp16" the graph priced is the traced one as it runs
     under the device's autocast (:func:`~replica.partition.autocast.autocast_graph`), and a
     profile times each op under that autocast too. Sharded replicas gather the weights in
-    that half precision (FSDP's ``MixedPrecisionPolicy.param_dtype``)."""
+    that half precision (FSDP's ``MixedPrecisionPolicy.param_dtype``). A layout with
+    ``tensor_parallel_size`` t > 1 is priced on the graph one rank of its group holds, with
+    its blocks' collectives (:mod:`replica.planner.tensor_parallel`): :meth:`graph_for`,
+    :meth:`cost_model`; the blocks are found once, when a layout first asks for them."""
 
     def __init__(self, traced: Traced, model: torch.nn.Module, *, device: Any, cost: str,
                  memory_budget: float | Sequence[float] | None, memory_model: MemoryModel,
@@ -84,7 +90,11 @@ class Pricing:
         self.traced = traced
         self.memory_model = dataclasses.replace(
             memory_model, gather_dtype=None if half is None else str(half).removeprefix("torch."))
-        self._weights: dict[tuple[str, ...], StageWeights] = {}
+        self._weights: dict[tuple[int, tuple[str, ...]], StageWeights] = {}
+        self._blocks: list[ShardedBlock] | None = None
+        self._graphs: dict[int, Graph] = {}
+        self._tp_costs: dict[int, TensorParallelCosts | None] = {}
+        self._cut: dict[int, tuple[ShardedBlock, ...]] = {}
         self.graded, self.options = graded, options
         self.batch = microbatch.batch_size(inputs, "example_inputs")
         self.batch_scale = batch_scale
@@ -127,9 +137,56 @@ class Pricing:
         """A replica's batch over the traced one: what the cost models scale the graph by."""
         return self.batch_scale / layout.data_parallel_size
 
-    def cost_model(self, spec: DeviceSpec, batch_fraction: float) -> CostModel:
+    # --- tensor parallelism ----------------------------------------------------------
+    @property
+    def blocks(self) -> list[ShardedBlock]:
+        """Every structure of the graph that tensor parallelism can cut
+        (:func:`~replica.partition.tensor_parallel.find_blocks`), found once."""
+        if self._blocks is None:
+            self._blocks = find_blocks(self.traced.graph, self.traced.module)
+        return self._blocks
+
+    def blocks_for(self, tensor_parallel_size: int) -> tuple[ShardedBlock, ...]:
+        """The blocks cut across ``tensor_parallel_size`` ranks: those that fit it and pay
+        (:func:`replica.planner.tensor_parallel.blocks_for`), chosen once per size."""
+        t = tensor_parallel_size
+        if t <= 1:
+            return ()
+        if t not in self._cut:
+            self._cut[t] = blocks_for(self.blocks, t, lambda group: self._pays(group, t))
+        return self._cut[t]
+
+    def _pays(self, group: Sequence[ShardedBlock], t: int) -> bool:
+        """Whether cutting ``group`` ``t`` ways saves compute (on the traced batch, one call)
+        or holds at least ``MEMORY_SHARE`` of the model's parameter bytes."""
+        names = {self.graph.canonical(p) for b in group for p, _ in b.parameters}
+        held = sum(self.graph.parameters[p].nbytes for p in names)
+        if held >= MEMORY_SHARE * max(1, self.graph.parameter_bytes):
+            return True
+        whole = self.cost_model(self.spec, 1.0)
+        cut = CostModel(self.spec, dtype=self.dtype, measured=self.measured, measured_fraction=self.measured_fraction,
+                        tensor_parallel=sharded_costs(self.graph, group, t))
+        nodes = [self.graph[n] for b in group for n in b.nodes]
+        return sum(cut.forward_time(n) + cut.backward_time(n) for n in nodes) \
+            < sum(whole.forward_time(n) + whole.backward_time(n) for n in nodes)
+
+    def graph_for(self, tensor_parallel_size: int = 1) -> Graph:
+        """The priced graph as one rank of a ``tensor_parallel_size`` group holds it."""
+        t = tensor_parallel_size
+        if t not in self._graphs:
+            self._graphs[t] = sharded_graph(self.graph, self.blocks_for(t), t) if t > 1 else self.graph
+        return self._graphs[t]
+
+    def tensor_parallel_costs(self, tensor_parallel_size: int) -> TensorParallelCosts | None:
+        t = tensor_parallel_size
+        if t not in self._tp_costs:
+            self._tp_costs[t] = sharded_costs(self.graph, self.blocks_for(t), t) if t > 1 else None
+        return self._tp_costs[t]
+
+    def cost_model(self, spec: DeviceSpec, batch_fraction: float, tensor_parallel_size: int = 1) -> CostModel:
         return CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
-                         measured_fraction=self.measured_fraction)
+                         measured_fraction=self.measured_fraction,
+                         tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size))
 
     def memory_model_for(self, layout: Layout, recompute: bool) -> MemoryModel:
         """What a stage of ``layout`` keeps: sharded over its replicas where the layout shards."""
@@ -138,23 +195,27 @@ class Pricing:
 
     def reshard(self, plan: Plan, layout: Layout) -> Plan:
         """``plan``, cut unsharded, with its stages' memory as ``layout``'s sharding holds it."""
-        return reshard(self.graph, plan, self.memory_model_for(layout, plan.recompute))
+        return reshard(self.graph_for(layout.tensor_parallel_size), plan,
+                       self.memory_model_for(layout, plan.recompute))
 
-    def stage_weights(self, parameter_names: tuple[str, ...]) -> StageWeights:
-        """What a stage holding ``parameter_names`` moves in its collectives."""
-        if parameter_names not in self._weights:
-            infos = [self.graph.parameters[p] for p in parameter_names]
+    def stage_weights(self, parameter_names: tuple[str, ...], tensor_parallel_size: int = 1) -> StageWeights:
+        """What a stage holding ``parameter_names`` moves in its collectives: one
+        tensor-parallel rank's shards of the parameters its blocks cut, the others whole."""
+        key = (tensor_parallel_size, parameter_names)
+        if key not in self._weights:
+            graph = self.graph_for(tensor_parallel_size)
+            infos = [graph.parameters[p] for p in parameter_names]
             weights = [p for p in infos if not p.is_buffer]
-            self._weights[parameter_names] = StageWeights(
+            self._weights[key] = StageWeights(
                 nbytes=sum(p.nbytes for p in weights),
                 gathered_bytes=sum(self.memory_model.gathered_bytes(p) for p in weights),
                 units=len({fsdp_unit(p.name) for p in weights}))
-        return self._weights[parameter_names]
+        return self._weights[key]
 
     def collectives(self, plan: Plan, layout: Layout, schedule: Schedule) -> tuple[Plan, list[float]]:
         """``plan`` with its data-parallel collectives in ``layout`` priced
         (:mod:`replica.planner.dataparallel`), and the seconds each rank waits for them."""
-        weights = [self.stage_weights(st.parameter_names) for st in plan.stages]
+        weights = [self.stage_weights(st.parameter_names, layout.tensor_parallel_size) for st in plan.stages]
         return with_collectives(plan, layout, schedule, self.first_spec(), weights)
 
     def _early_fits(self, plan: Plan, where: dict[int, int]) -> bool:
@@ -171,10 +232,12 @@ class Pricing:
         return all(held[r] + extra.get(r, 0.0) <= self.budget_per_device() for r in held)
 
     def partition_for(self, layout: Layout, num_microbatches: int, *, within_budget: bool = True,
-                      recompute: bool = False) -> Plan:
+                      recompute: bool = False, simulated: bool = True) -> Plan:
         """The plan of ``layout`` with ``num_microbatches`` micro-batches per replica, priced
         at each replica's share of the batch (even micro-batches, nothing rebuilt: see
-        :func:`replica.planner.refine.finish`)."""
+        :func:`replica.planner.refine.finish`). ``simulated=False`` leaves out the step's
+        simulation and the replicas' collectives (``predicted_step_time_s`` stays the cut's
+        estimate): the tuner's cuts, which it simulates in each layout itself."""
         m = num_microbatches
         replicas = layout.data_parallel_size
         share = self.global_batch // replicas
@@ -190,17 +253,23 @@ class Pricing:
             )
         batch_fraction = self.batch_fraction(layout)
         specs = self.specs(layout.num_stages)
+        t = layout.tensor_parallel_size
         by_spec: dict[int, CostModel] = {}
-        models = [by_spec.setdefault(id(sp), self.cost_model(sp, batch_fraction)) for sp in specs]
-        schedule_data = make_schedule(layout.schedule, layout.num_stages, m, layout.pipeline_ranks)
+        models = [by_spec.setdefault(id(sp), self.cost_model(sp, batch_fraction, t)) for sp in specs]
+        blocks = self.blocks_for(t)
+        schedule_data = make_schedule(layout.schedule, layout.num_stages, m, layout.pipeline_ranks, check=simulated)
         where = placement(schedule_data)
-        result = partition(self.graph, models, num_stages=layout.num_stages, num_microbatches=m,
+        result = partition(self.graph_for(t), models, num_stages=layout.num_stages, num_microbatches=m,
                            schedule=layout.schedule, memory_model=self.memory_model_for(layout, recompute),
                            memory_budget=self.memory_budget if within_budget else None,
                            in_flight=max_in_flight(schedule_data, layout.num_stages),
-                           stage_ranks=[where[k] for k in range(layout.num_stages)])
-        result = dataclasses.replace(result, layout=layout,
+                           stage_ranks=[where[k] for k in range(layout.num_stages)], together=together(blocks))
+        result = dataclasses.replace(result, layout=layout, tensor_parallel=blocks,
                                      early_input_grads=not recompute and self._early_fits(result, where))
+        if not simulated:
+            return dataclasses.replace(result, precision=self.precision,
+                                       model_flops=3 * self.graph.total_flops * batch_fraction * replicas,
+                                       device_peak_flops=self.spec.datasheet_flops)
         if splits_backward(schedule_data):  # order the zero-bubble actions by this plan's own times
             schedule_data = plan_schedule(result)
         result, waits = self.collectives(result, layout, schedule_data)

@@ -117,10 +117,11 @@ def _rebuild_candidates(pricing: Pricing, plan: Plan,
     found: dict[tuple[int, str], tuple[float, int]] = {}
     if plan.recompute or plan.pointwise_recompute or plan.num_stages == 1:
         return found
-    by_name = {n.name: n for n in pricing.graph.nodes}
+    t = plan.layout.tensor_parallel_size
+    by_name = {n.name: n for n in pricing.graph_for(t).nodes}
     specs = pricing.specs(plan.num_stages)
     for st, sp in zip(plan.stages, specs):
-        cm = pricing.cost_model(sp, batch_fraction)
+        cm = pricing.cost_model(sp, batch_fraction, t)
         for name in st.node_names:
             n = by_name[name]
             kind = REBUILT_OPS.get(n.target)

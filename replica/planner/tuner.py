@@ -1,7 +1,8 @@
-"""The auto-tuner: pipeline ranks × replicas × sharding × micro-batches × schedule × split, by simulation.
+"""The auto-tuner: tensor ranks × pipeline ranks × replicas × sharding × micro-batches × schedule × split, by simulation.
 
-For every way to factor the world into pipeline ranks and data-parallel replicas,
-the graph is partitioned once (per stage count); every schedule, sharding of the
+For every way to factor the world into tensor-parallel ranks per stage, pipeline ranks and
+data-parallel replicas, the graph is partitioned once (per stage count, replica count,
+tensor-parallel size, micro-batch count and recompute); every schedule, sharding of the
 replicas and micro-batch count is then priced by replaying its action lists in the
 simulator with the stages' costs scaled to the replica's batch, their memory as the
 sharding holds it checked against the memory budget, and charged what the replicas'
@@ -12,6 +13,7 @@ schedule and sharding.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -25,7 +27,9 @@ from replica.pipeline.schedule import (WEIGHT_SHARE, Schedule, durations_of, mak
 from replica.pipeline.simulate import StageCosts, simulate
 from replica.planner.options import PlannerOptions
 
-__all__ = ["Candidate", "tune"]
+__all__ = ["Candidate", "tune", "lower_bound"]
+
+INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,84 @@ def _microbatch_choices(batch: int, ranks: int, given: int | None, stages: int,
 
 
 LayOut = Callable[[Plan, Layout, Schedule], tuple[Plan, list[float]]]
+
+KEPT = 6  # the best candidate and the alternatives a plan names (Plan.alternatives: 5)
+
+
+def _rank_of(layout: Layout, k: int) -> int:
+    """The pipeline rank stage ``k`` runs on under ``layout``'s schedule (its placement)."""
+    p = layout.pipeline_ranks
+    placement = layout.kind.placement
+    if placement == "looped":
+        return k % p
+    if placement == "v":
+        return k if k < p else 2 * p - 1 - k
+    return k
+
+
+def lower_bound(plan: Plan, layout: Layout) -> float:
+    """A step time no schedule of ``layout`` simulates ``plan``'s stages (even micro-batches)
+    faster than: per rank, its actions back to back after the first micro-batch's forward
+    reaches its first stage; where backward is not split (the rank's last action is then its
+    first stage's last backward), plus that backward's input gradient travelling back to
+    stage 0 (each backward sends it after ``1 - WEIGHT_SHARE`` of itself at the earliest).
+    Transfers and collectives only add to it."""
+    m = plan.num_microbatches
+    forward = [s.forward_time_s / m for s in plan.stages]
+    backward = [s.backward_time_s / m for s in plan.stages]
+    busy: dict[int, float] = {}
+    first: dict[int, int] = {}
+    for k in range(plan.num_stages):
+        r = _rank_of(layout, k)
+        busy[r] = busy.get(r, 0.0) + (forward[k] + backward[k]) * m
+        first[r] = min(first.get(r, k), k)
+    share = 1 - WEIGHT_SHARE
+    best = 0.0
+    for r, work in busy.items():
+        k = first[r]
+        bound = sum(forward[:k]) + work
+        if k > 0 and not layout.kind.splits_backward:
+            bound += share * sum(backward[1:k]) + backward[0] - (1 - share) * backward[k]
+        best = max(best, bound)
+    return best
+
+
+def _zero_bubble_floor(plan: Plan, layout: Layout) -> float:
+    """The memory of a zero-bubble candidate's fullest rank by the micro-batches its order
+    admits, without making the order (seconds of list scheduling at hundreds of stages): ZB-H1
+    holds 1F1B's in flight (P - r on rank r), zero-bubble interleaved interleaved 1F1B's, and
+    ZB-V's first rank admits at least 2P - 1 into stage 0 (each of its admission limits; the
+    round trip of the V keeps it filling them) and one into stage 2P - 1. An estimate, not a
+    bound: a candidate over the budget by it is not simulated (the greedy order could in
+    principle hold fewer)."""
+    m, p = plan.num_microbatches, layout.pipeline_ranks
+    name = layout.schedule
+    if name == "zb-v":
+        held = {0: min(m, 2 * p - 1), plan.num_stages - 1: 1}
+    elif name == "zb-h1":
+        held = {k: min(m, p - k) for k in range(plan.num_stages)}
+    else:
+        try:
+            held = dict(enumerate(max_in_flight(make_schedule("interleaved", plan.num_stages, m, p, check=False),
+                                                plan.num_stages)))
+        except ScheduleError:
+            return 0.0
+    memory: dict[int, float] = {}
+    for s in plan.stages:
+        r = _rank_of(layout, s.stage_index)
+        static = s.memory.parameters + s.memory.gradients + s.memory.optimizer
+        kept = 1 if plan.recompute else held.get(s.stage_index, 1)
+        memory[r] = memory.get(r, 0.0) + static + s.activation_bytes / m * kept + sum(b.nbytes for b in s.inputs)
+    return max(memory.values(), default=0.0)
+
+
+def _static_peak(plan: Plan, layout: Layout) -> float:
+    """The most weights, gradients and optimizer state one rank holds (as ``plan`` prices them)."""
+    held: dict[int, float] = {}
+    for s in plan.stages:
+        r = _rank_of(layout, s.stage_index)
+        held[r] = held.get(r, 0.0) + s.memory.parameters + s.memory.gradients + s.memory.optimizer
+    return max(held.values(), default=0.0)
 
 
 def _evaluate(plan: Plan, layout: Layout, device: DeviceSpec, budget: float, lay_out: LayOut) -> Candidate | None:
@@ -124,25 +206,38 @@ def tune(
     data_parallel_size: int | None = None,
     recompute: Sequence[bool] = (False, True),
     shardings: Sequence[str] = ("none",),
+    tensor_parallel_sizes: Sequence[int] = (1,),
     options: PlannerOptions = PlannerOptions(),
 ) -> tuple[Plan, list[Candidate]]:
     """Search the layouts of ``world_size`` devices for the fastest that fits a global ``batch``.
 
     ``partition_for(layout, num_microbatches, within_budget, recompute)`` makes a plan for
-    one replica's share of the batch; ``lay_out(plan, layout, schedule)`` gives that plan's
+    one replica's share of the batch (of which, where ``within_budget`` is False, only the
+    cut's stages are read: their times and memory); ``lay_out(plan, layout, schedule)`` gives that plan's
     memory and collectives in ``layout`` (see :func:`_evaluate`). Both settings of activation
     ``recompute`` given are tried, and each of ``shardings`` (:data:`replica.layout.SHARDINGS`)
-    where the layout allows it: more than one replica, a schedule that does not split backward.
+    where the layout allows it: more than one replica, a schedule that does not split backward,
+    no tensor parallelism; and each of ``tensor_parallel_sizes`` that divides the world.
     Returns the best plan (with ``predicted_step_time_s``, its layout and the alternatives
-    filled in) and every candidate, best first. Raises ``PartitionError`` naming the world
-    that would fit.
+    filled in) and the candidates simulated, best first. Raises ``PartitionError`` naming the
+    world that would fit.
+
+    Every configuration is cut first, then simulated in the order of its :func:`lower_bound`;
+    those whose bound shows they can neither win (within ``tie``) nor be among the
+    alternatives are not simulated, nor those of a zero-bubble schedule that cannot win
+    (their orders are the costly ones to make: the alternatives are the next best of those
+    simulated) or would not fit by the micro-batches their orders admit
+    (:func:`_zero_bubble_floor`), nor replicated ones whose weights, gradients and optimizer
+    state alone exceed the budget (unless nothing fits: the error then names the leanest).
     """
     candidates: list[Candidate] = []
-    plans: dict[tuple[int, int, bool, int], Plan | None] = {}
-    for ranks in _divisors(world_size):
+    plans: dict[tuple[int, int, bool, int, int], Plan | None] = {}
+    queued: list[tuple[float, int, Plan, Layout]] = []
+    for tp, ranks in ((t, r) for t in tensor_parallel_sizes if world_size % t == 0
+                      for r in _divisors(world_size // t)):
         if ranks > options.max_pipeline_ranks and num_stages is None:
             continue  # deeper pipelines than this never pay for their bubble and hand-offs
-        replicas = world_size // ranks
+        replicas = world_size // tp // ranks
         if data_parallel_size is not None and replicas != data_parallel_size:
             continue
         if batch % replicas:
@@ -153,30 +248,54 @@ def tune(
             if (ranks == 1 and stages > 1) or stages > num_ops or (num_stages is not None and stages != num_stages):
                 continue
             for sharding in shardings:
-                if sharding != "none" and (replicas == 1 or kind.splits_backward):
+                if sharding != "none" and (replicas == 1 or kind.splits_backward or tp > 1):
                     continue
                 layout = Layout(schedule=name, num_stages=stages, pipeline_ranks=ranks, data_parallel_size=replicas,
-                                sharding=sharding)
+                                tensor_parallel_size=tp, sharding=sharding)
                 for again in recompute:
                     for m in _microbatch_choices(batch // replicas, ranks, num_microbatches, stages,
                                                  options.max_simulated_actions):
                         if kind.microbatch_multiple and m % ranks:
                             continue
                         # priced at this micro-batch size: an op whose tensors fit the cache at m runs faster
-                        key = (stages, replicas, again, m)
+                        key = (stages, replicas, again, m, tp)
                         if key not in plans:
                             try:  # memory is checked per layout below, so this cut ignores the budget
                                 cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
-                                             data_parallel_size=replicas)
+                                             data_parallel_size=replicas, tensor_parallel_size=tp)
                                 plans[key] = partition_for(cut, m, False, again)
                             except PartitionError:
                                 plans[key] = None
                         plan = plans[key]
                         if plan is None:
                             continue
-                        found = _evaluate(plan, layout, device, memory_budget, lay_out)
-                        if found is not None:
-                            candidates.append(found)
+                        queued.append((lower_bound(plan, layout), len(queued), plan, layout))
+    # the schedules quick to make first (their best sets the bar), then the zero-bubble ones,
+    # whose list-scheduled orders take seconds at hundreds of stages: each in bound order
+    queued.sort(key=lambda q: (q[3].kind.splits_backward, q[0], q[1]))
+    times: list[float] = []  # of the fitting candidates, sorted
+    heavy: list[tuple[Plan, Layout]] = []
+    for bound, _, plan, layout in queued:
+        if not times:
+            pass
+        elif layout.kind.splits_backward and bound > times[0] * (1 + options.tie):
+            continue  # a zero-bubble order costs seconds to make: made only where it may win
+        elif bound > max(times[0] * (1 + options.tie), times[KEPT - 1] if len(times) >= KEPT else INF):
+            continue  # neither the best, nor within its tie, nor among the alternatives
+        if not layout.sharded and _static_peak(plan, layout) > memory_budget or \
+                layout.kind.splits_backward and _zero_bubble_floor(plan, layout) > memory_budget:
+            heavy.append((plan, layout))
+            continue
+        found = _evaluate(plan, layout, device, memory_budget, lay_out)
+        if found is not None:
+            candidates.append(found)
+            if found.fits:
+                bisect.insort(times, found.step_time_s)
+    if not times:  # nothing fits: the error names the leanest of all
+        for plan, layout in heavy:
+            found = _evaluate(plan, layout, device, memory_budget, lay_out)
+            if found is not None:
+                candidates.append(found)
 
     def step_time(c: Candidate) -> float:
         return c.step_time_s
@@ -196,9 +315,11 @@ def tune(
         raise _no_fit(candidates, world_size, memory_budget)
     # predictions closer than the model can tell apart are a tie: take whole replicas if one is
     # among them (sharding hands the user DTensor shards and adds collectives, for memory the
-    # tie says is not needed), then the one holding least memory
+    # tie says is not needed), then the fewest tensor-parallel ranks (fewer collectives the model
+    # cannot see overlap or contend), then the one holding least memory
     near = [c for c in fitting if c.step_time_s <= fitting[0].step_time_s * (1 + options.tie)]
-    best = min(near, key=lambda c: (c.layout.sharded, c.peak_memory_bytes, c.step_time_s))
+    best = min(near, key=lambda c: (c.layout.sharded, c.layout.tensor_parallel_size, c.peak_memory_bytes,
+                                    c.step_time_s))
     fitting.remove(best)
     fitting.insert(0, best)
     final = partition_for(best.layout, best.num_microbatches, True, best.recompute)

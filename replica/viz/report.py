@@ -73,7 +73,7 @@ def render_html(
         '<button type="button" onclick="openAll(true)">open all</button> '
         '<button type="button" onclick="openAll(false)">close all</button></p>')
     for stage in plan.stages:
-        parts.append(_stage(fig, stage, boxes))
+        parts.append(_stage(fig, stage, boxes, graph))
         if stage.stage_index < plan.num_stages - 1:
             parts.append(_cut(plan, stage.stage_index))
     return _page(f"{plan.model_name or 'model'} · pipeline plan", "".join(parts))
@@ -102,7 +102,10 @@ def _header(fig: Figures) -> str:
         ("bottleneck stage", format_seconds(plan.bottleneck_s), "per step, forward + backward + transfers"),
         ("balance", f"{plan.balance:.2f}", "slowest / mean stage (1.00 = perfect)"),
         ("bubble", f"{tl.bubble_fraction:.0%}", "idle share of the simulated step"),
-        ("stages", f"{plan.num_stages} × {plan.data_parallel_size}", "pipeline stages × data-parallel replicas"
+        ("stages", f"{plan.num_stages} × {plan.data_parallel_size}"
+         + (f" × {plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""),
+         "pipeline stages × data-parallel replicas"
+         + (" × tensor-parallel ranks" if plan.tensor_parallel_size > 1 else "")
          + (f", {plan.layout.sharding} sharded" if plan.layout.sharded else "")
          + (f"; collectives {format_seconds(plan.collective_s)} a step, "
             f"{format_seconds(plan.exposed_collective_s)} not hidden" if plan.data_parallel_size > 1 else "")),
@@ -114,7 +117,7 @@ def _header(fig: Figures) -> str:
     for name, value, note in cards:
         out.append(f'<div class="stat"><div class="k">{escape(name)}</div><div class="v">{escape(value)}</div>'
                    f'<div class="n">{escape(note)}</div></div>')
-    notes = [plan.precision_note, plan.data_parallel_note]
+    notes = [plan.precision_note, plan.tensor_parallel_note, plan.data_parallel_note]
     out.append("</div>" + "".join(f'<p class="note">{escape(n)}</p>' for n in notes if n) + "</header>")
     if not plan.exact:
         out.append('<p class="note">Large graph: cut at its cheapest candidate points, bottleneck within '
@@ -131,7 +134,7 @@ def _trace_link(fig: Figures) -> str:
             "(chrome://tracing, Perfetto).</p>")
 
 
-def _stage(fig: Figures, stage: StagePlan, boxes: list[list[ModuleBox]]) -> str:
+def _stage(fig: Figures, stage: StagePlan, boxes: list[list[ModuleBox]], graph: "Graph | None" = None) -> str:
     plan, k = fig.plan, stage.stage_index
     colour = fig.colours[k]
     budget = fig.budgets[k]
@@ -149,6 +152,9 @@ def _stage(fig: Figures, stage: StagePlan, boxes: list[list[ModuleBox]]) -> str:
         facts.append(f"data-parallel collectives {format_seconds(stage.collective_s)}"
                      + (f" ({stage.gathers} all-gathers, 1 reduce-scatter)" if plan.layout.sharded else "")
                      + f", {format_seconds(stage.exposed_collective_s)} not hidden")
+    if plan.tensor_parallel_size > 1:
+        facts.append(f"tensor-parallel collectives {format_bytes(stage.tensor_parallel_bytes)} in "
+                     f"{format_seconds(stage.tensor_parallel_s)} (in forward and backward, not overlapped)")
     if fig.measured:
         facts.append(f"measured {format_seconds(fig.measured[k].total_s)}")
     mine, before, after = boxes[k], boxes[k - 1] if k else [], boxes[k + 1] if k + 1 < len(boxes) else []
@@ -160,7 +166,47 @@ def _stage(fig: Figures, stage: StagePlan, boxes: list[list[ModuleBox]]) -> str:
     return (f'<section class="stage" data-stage="{k}" id="stage-{k}" style="--c:{colour}">'
             f'<h3><span class="swatch"></span>Stage {k}{slow}</h3>'
             f'<p class="facts">{" · ".join(escape(f) for f in facts)}</p>'
-            f'<div class="boxes">{"".join(items)}</div></section>')
+            f'<div class="boxes">{"".join(items)}</div>{_sharded(plan, k, graph)}</section>')
+
+
+def _sharded(plan: Plan, k: int, graph: "Graph | None") -> str:
+    """Stage ``k``'s blocks cut across its tensor-parallel ranks: their modules and the
+    collectives each adds (per micro-batch, with ``graph`` to size them)."""
+    blocks = plan.blocks_of(k)
+    if plan.tensor_parallel_size == 1:
+        return ""
+    t = plan.tensor_parallel_size
+    if not blocks:
+        return f'<p class="note">Tensor parallel: nothing on this stage is cut; each of the {t} ranks computes it whole.</p>'
+    share = 1 / (plan.data_parallel_size * plan.num_microbatches)  # of the traced batch, per micro-batch
+
+    def sized(name: str) -> str:
+        if graph is None:
+            return ""
+        try:
+            return f" ({format_bytes(graph[name].output_bytes * share)})"
+        except KeyError:
+            return ""
+
+    rows = []
+    for b in blocks:
+        if graph is not None:
+            modules = list(dict.fromkeys(graph[n].module_path for n in b.nodes if graph[n].module_path))
+        else:  # the modules owning the cut parameters
+            modules = list(dict.fromkeys(p.rpartition(".")[0] or p for p, _ in b.parameters))
+        cut = ", ".join(f"{p} (dim {d})" for p, d in b.parameters)
+        forward = "; ".join(f"{'all-gather' if b.gathers else 'all-reduce'} of <code>{escape(e)}</code>{escape(sized(e))}"
+                            for e in b.exits)
+        backward = "; ".join(f"all-reduce of <code>{escape(e)}</code>'s gradient{escape(sized(e))}" for e in b.entries)
+        rows.append(f"<tr><td>{escape(b.kind)}</td><td>{escape(', '.join(modules) or '-')}</td>"
+                    f"<td>{escape(cut)}</td><td>{forward or '-'}</td><td>{backward or '-'}</td></tr>")
+    again = " (forward's again in backward: recompute)" if plan.recompute else ""
+    return (f'<details class="tp"><summary>Tensor parallel: {len(blocks)} block{"s" if len(blocks) != 1 else ""} '
+            f'cut across {t} ranks · {escape(format_bytes(plan.stages[k].tensor_parallel_bytes))} of collectives, '
+            f'{escape(format_seconds(plan.stages[k].tensor_parallel_s))} a step{escape(again)}</summary>'
+            '<table><thead><tr><th>block</th><th>modules</th><th>parameters cut</th>'
+            '<th>forward, per micro-batch</th><th>backward, per micro-batch</th></tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></details>')
 
 
 def _box(box: ModuleBox, *, cont_in: bool, cont_out: bool) -> str:
@@ -262,6 +308,7 @@ section.cut h4{margin:0 0 6px;font-size:13.5px}
 table{border-collapse:collapse;font-size:12.5px;background:#fff;border-radius:6px}
 th,td{padding:3px 10px;border-bottom:1px solid #eef0f3;text-align:left}th{color:#6b7280;font-weight:600}
 td.r{text-align:right}
+details.tp{margin-top:8px;font-size:12.5px}details.tp>summary{cursor:pointer;color:#4b5563}
 @media (max-width:900px){.cards{grid-template-columns:repeat(3,1fr)}.charts{grid-template-columns:1fr}}
 """
 
