@@ -26,7 +26,10 @@ _PLANNING_DOC = """
     Planning arguments (the same for ``plan`` and ``auto_parallel``; None leaves the choice to
     the planner): ``num_stages``, ``num_microbatches`` (per replica), ``schedule`` (a name, or
     ``"auto"`` to let the tuner pick; None is ``"1f1b"``), ``data_parallel_size``,
-    ``tensor_parallel_size`` (None or 1: tensor parallelism is not built yet),
+    ``tensor_parallel_size`` (the ranks each stage's layers are cut across, Megatron-style: the
+    planner finds the MLPs, attention heads, token embedding and head it can cut in the traced
+    graph, and DTensor computes them, exactly; everything else runs whole on each of them.
+    None: the tuner decides, within a node; 1: off. It runs only across processes),
     ``device`` (a preset name, a ``DeviceSpec``, or one per stage), ``cost`` (``"profile"``
     times every op here on real tensors, ``"analytic"`` prices FLOPs and bytes on
     ``device``'s spec, ``"auto"`` profiles when the model and inputs are real and no other

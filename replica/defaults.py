@@ -52,6 +52,9 @@ class TrainerConfig:
     - ``timeout_s``: the longest wait on another rank before a clear error.
     - ``sharded_data_parallel``: the replicas shard their stages (FSDP2; None: the planner
       decides), as for :func:`replica.auto_parallel`.
+    - ``tensor_parallel_size``: the ranks each stage's layers are cut across (None: the
+      planner decides; 1: off), as for :func:`replica.auto_parallel`; checkpoints hold whole
+      tensors, so a run resumes under another tensor-parallel size.
     - ``precision``: ``"fp32"`` (the weights' own dtype), ``"bf16"`` or ``"fp16"``: autocast,
       as :func:`replica.auto_parallel`'s ``mixed_precision``; fp16 steps through a
       :class:`replica.GradScaler`, whose state the checkpoints keep.
@@ -74,11 +77,13 @@ class TrainerConfig:
     timeout_s: float = 300.0
     precision: str = "fp32"
     sharded_data_parallel: bool | None = None
+    tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         _count("num_stages", self.num_stages, optional=True)
         _count("num_microbatches", self.num_microbatches, optional=True)
         _count("data_parallel_size", self.data_parallel_size, optional=True)
+        _count("tensor_parallel_size", self.tensor_parallel_size, optional=True)
         _count("batch_size", self.batch_size, optional=False)
         _count("checkpoint_every_steps", self.checkpoint_every_steps, optional=True)
         _count("keep_checkpoints", self.keep_checkpoints, optional=False)

@@ -24,6 +24,7 @@ from replica.pipeline.schedule import placement, plan_schedule, splits_backward 
 from replica.pipeline.shapes import ShapeOracle
 from replica.pipeline.sharding import full_tensor
 from replica.pipeline.simulate import Timeline
+from replica.pipeline.tensor_parallel import shard_stage_tensors, tensor_parallel_groups
 from replica.pipeline.weightgrad import defer_linear_weight_grads
 from replica.precision import ambient_autocast, autocast_dtype
 
@@ -64,23 +65,16 @@ class PipelineModel:
         if deferred_batchnorm:
             defer_batchnorm(self.all_stages, plan.num_microbatches)  # running statistics of the whole batch
         self.schedule = plan_schedule(plan)
-        # linear weight gradients can wait: for their W action, or until the input gradients
-        # left. A stage that sends no input gradient (the first) keeps autograd's own linears:
-        # the rewrite would only cost it (about 3% of its step, benchmarks/RESULTS.md).
-        deferring: set[int] = set()
-        if splits_backward(self.schedule):
-            deferring = {s.stage_index for s in self.all_stages}
-        elif _distributed() and plan.early_input_grads and not plan.layout.sharded:  # FSDP reduces in B
-            deferring = sending_input_grads(self.all_stages, placement(self.schedule))
-        for stage in self.all_stages:
-            if stage.stage_index in deferring:
-                defer_linear_weight_grads(stage.module)
-        if plan.pointwise_recompute or plan.rebuilds:
-            for stage in self.all_stages:  # norms that note their eps, so that their outputs can be rebuilt
-                rebuildable_norms(stage.module)
         self._canonical = {alias: name for name, aliases in plan.tied_parameters.items() for alias in aliases}
-        self.runtime: LocalRuntime | DistributedRuntime
-        if _distributed():
+        distributed = _distributed()
+        tp = plan.layout.tensor_parallel_size
+        if not distributed and tp > 1:
+            raise ConfigError(
+                f"this plan cuts layers across {tp} tensor-parallel ranks ({plan.layout.describe()}): it runs only "
+                f"across processes; launch {plan.layout.world_size} of them with torchrun, or plan with "
+                "tensor_parallel_size=1"
+            )
+        if distributed:
             if plan.layout.world_size != dist.get_world_size():
                 raise ConfigError(
                     f"the plan lays out {plan.layout.world_size} processes ({plan.layout.describe()}) but this "
@@ -91,14 +85,34 @@ class PipelineModel:
                 device = next(model.parameters()).device
             boundary = [b.name for s in plan.stages for b in s.outputs]
             sharded = plan.layout.sharded and plan.data_parallel_size > 1  # gathers weights in autocast's dtype
+            # made before any stage is cut: it prices the plain graph on meta / fake copies
             oracle = ShapeOracle(traced.module, boundary, device, traced.out_spec,
                                  param_dtype=autocast_dtype(self.precision) if sharded else None)
+            if tp > 1 and plan.tensor_parallel:
+                self._cut_tensor_parallel(plan, topology, device, timeout_s)
+        # linear weight gradients can wait: for their W action, or until the input gradients
+        # left. A stage that sends no input gradient (the first) keeps autograd's own linears:
+        # the rewrite would only cost it (about 3% of its step, benchmarks/RESULTS.md).
+        deferring: set[int] = set()
+        if splits_backward(self.schedule):
+            deferring = {s.stage_index for s in self.all_stages}
+        elif distributed and plan.early_input_grads and not plan.layout.sharded:  # FSDP reduces in B
+            deferring = sending_input_grads(self.all_stages, placement(self.schedule))
+        for stage in self.all_stages:
+            if stage.stage_index in deferring:
+                defer_linear_weight_grads(stage.module)
+        if plan.pointwise_recompute or plan.rebuilds:
+            for stage in self.all_stages:  # norms that note their eps, so that their outputs can be rebuilt
+                rebuildable_norms(stage.module)
+        self.runtime: LocalRuntime | DistributedRuntime
+        if distributed:
             self.runtime = DistributedRuntime(self.all_stages, self.schedule, plan, topology, oracle,
                                               timeout_s=timeout_s, device=device, recompute=plan.recompute,
                                               precision=self.precision)
             self.stages = [s for s in self.all_stages if s.stage_index in self.runtime.stages]
             self.pipeline_rank = topology.pipeline_rank
             self.data_parallel_rank = topology.data_parallel_rank
+            self.tensor_parallel_rank = topology.tensor_parallel_rank
             self._release_remote_weights()
         else:
             self.runtime = LocalRuntime(self.all_stages, self.schedule, recompute=plan.recompute,
@@ -107,12 +121,30 @@ class PipelineModel:
             self.stages = self.all_stages
             self.pipeline_rank = 0
             self.data_parallel_rank = 0
+            self.tensor_parallel_rank = 0
         self.data_parallel_size = plan.data_parallel_size
         self.device = next((p.device for p in self.parameters()), torch.device("cpu"))
         if grad_dtype is not None:
             for p in self.parameters():
                 if p.is_floating_point() and p.dtype != grad_dtype:
                     p.grad_dtype = grad_dtype  # autograd and the deferred W accumulate in it
+
+    def _cut_tensor_parallel(self, plan: Plan, topology: Topology, device: torch.device, timeout_s: float) -> None:
+        """Cut the plan's tensor-parallel blocks of this rank's stages over its tensor-parallel
+        group (DTensor shards of their parameters, pipeline/tensor_parallel.py). Every rank
+        makes every group, in one order; only its own pipeline position's stages are cut."""
+        import datetime
+
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = tensor_parallel_groups(plan.layout, topology.rank, datetime.timedelta(seconds=timeout_s))
+        mesh = DeviceMesh.from_group(group, device.type)
+        place = placement(self.schedule)
+        made: dict[int, torch.nn.Parameter] = {}
+        for stage in self.all_stages:
+            if place[stage.stage_index] == topology.pipeline_rank:
+                shard_stage_tensors(stage.module, plan.tensor_parallel, mesh, self._canonical, made)
+        self.tensor_parallel_mesh = mesh
 
     def _release_remote_weights(self) -> None:
         """Free the storage of every weight no local stage reads: a rank holds only its stages."""

@@ -29,6 +29,7 @@ from replica.pipeline.mailbox import Mailbox, greet_peers
 from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from replica.pipeline.shapes import ShapeOracle
 from replica.pipeline.sharding import local_tensor, shard_stage
+from replica.pipeline.tensor_parallel import match_grad_placements
 from replica.pipeline.simulate import Event, Timeline, simulate, stage_costs_from_plan
 from replica.precision import ambient_autocast, autocast_dtype, autocast_for
 
@@ -64,9 +65,22 @@ class Topology:
     def data_parallel_rank(self) -> int:
         return self.layout.coordinates(self.rank).data_parallel_rank
 
-    def global_rank(self, pipeline_rank: int, data_parallel_rank: int | None = None) -> int:
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.layout.tensor_parallel_size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self.layout.coordinates(self.rank).tensor_parallel_rank
+
+    def global_rank(self, pipeline_rank: int, data_parallel_rank: int | None = None,
+                    tensor_parallel_rank: int | None = None) -> int:
+        """The process at ``pipeline_rank`` of replica ``data_parallel_rank`` (default: this
+        one's), at tensor-parallel coordinate ``tensor_parallel_rank`` (default: this one's:
+        the pipeline's messages go between ranks of the same coordinate)."""
         dp = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
-        return self.layout.global_rank(pipeline_rank, dp)
+        tp = self.tensor_parallel_rank if tensor_parallel_rank is None else tensor_parallel_rank
+        return self.layout.global_rank(pipeline_rank, dp, tp)
 
 
 class DistributedRuntime:
@@ -127,20 +141,24 @@ class DistributedRuntime:
         return list(seen.values())
 
     def _make_groups(self) -> None:
-        """Process groups, created in the same order on every rank (``new_group`` is collective)."""
+        """Process groups, created in the same order on every rank (``new_group`` is collective):
+        one per tensor-parallel coordinate of each pipeline, replica set and tied weight."""
         topo, P, D = self.topology, self.topology.num_pipeline_ranks, self.topology.data_parallel_size
+        T, me_tp = topo.tensor_parallel_size, topo.tensor_parallel_rank
         sharded = self.sharded
         self.pipeline_group = None
         for dp in range(D):
-            group = dist.new_group([topo.global_rank(r, dp) for r in range(P)], timeout=self.timeout)
-            if dp == topo.data_parallel_rank:
-                self.pipeline_group = group
+            for tp in range(T):
+                group = dist.new_group([topo.global_rank(r, dp, tp) for r in range(P)], timeout=self.timeout)
+                if (dp, tp) == (topo.data_parallel_rank, me_tp):
+                    self.pipeline_group = group
         self.data_parallel_group = None
         if D > 1:
             for r in range(P):
-                group = dist.new_group([topo.global_rank(r, dp) for dp in range(D)], timeout=self.timeout)
-                if r == topo.pipeline_rank:
-                    self.data_parallel_group = group
+                for tp in range(T):
+                    group = dist.new_group([topo.global_rank(r, dp, tp) for dp in range(D)], timeout=self.timeout)
+                    if (r, tp) == (topo.pipeline_rank, me_tp):
+                        self.data_parallel_group = group
         # A weight read by stages on several ranks (a tied embedding and head): its
         # gradient is summed over exactly those ranks (of every replica).
         self.tied: list[tuple[Any, list[str]]] = []
@@ -155,8 +173,9 @@ class DistributedRuntime:
                 continue
             # sharded, each replica holds its shard of the weight, reduced over the replicas
             # already: the shards are summed over the ranks holding it, replica by replica
-            for members in ([[topo.global_rank(r, dp) for r in ranks] for dp in range(D)] if sharded
-                            else [[topo.global_rank(r, dp) for dp in range(D) for r in ranks]]):
+            for members in ([[topo.global_rank(r, dp, tp) for r in ranks] for dp in range(D) for tp in range(T)]
+                            if sharded else
+                            [[topo.global_rank(r, dp, tp) for dp in range(D) for r in ranks] for tp in range(T)]):
                 group = dist.new_group(members, timeout=self.timeout)
                 if topo.rank in members:
                     self.tied.append((group, [name] if name in local else []))
@@ -275,6 +294,7 @@ class DistributedRuntime:
         step.mail.finish()
         if self.reducer is not None:
             self.reducer.finish()
+        match_grad_placements(p for _, p in self.parameters)  # before the tied sum adds local tensors
         self._reduce_tied()
         for _, p in self.parameters:
             old = stash[id(p)]
@@ -284,7 +304,8 @@ class DistributedRuntime:
         total = total.to(self.device)
         work = dist.all_reduce(total, async_op=True)
         self._wait(work, "the loss all-reduce", "every rank")
-        return StepResult((total / self.topology.data_parallel_size).cpu())
+        # every tensor-parallel rank of a last stage holds the same loss
+        return StepResult((total / (self.topology.data_parallel_size * self.topology.tensor_parallel_size)).cpu())
 
     def measure_step(
         self,

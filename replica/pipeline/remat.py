@@ -112,6 +112,8 @@ def materialize(x: Any) -> torch.Tensor:
 
 
 def _pack(t: torch.Tensor) -> Any:
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return t  # a tensor subclass (a tensor-parallel DTensor): views of it are not strided storage
     base = t._base if t._base is not None else t
     node = base.grad_fn
     kind, recipe = _RECIPES.get(type(node).__name__, ("", None)) if node is not None else ("", None)

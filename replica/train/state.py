@@ -33,15 +33,16 @@ def _weights(pipeline: PipelineModel, plain_keys: Collection[str], *, whole: boo
 
 def shard_of(pipeline: PipelineModel, optimizer: torch.optim.Optimizer | None, names: Mapping[int, str],
              plain_keys: Collection[str], world_size: int) -> ckpt.Shard | None:
-    """What this rank writes: one shard per pipeline rank, by data-parallel replica 0 only (sharded
-    replicas first gather their weights and optimizer state whole, together)."""
+    """What this rank writes: one shard per pipeline rank, by data-parallel replica 0's first
+    tensor-parallel rank only (sharded replicas, and the tensor-parallel ranks of replica 0,
+    first gather their weights and optimizer state whole, together)."""
     if pipeline.plan.layout.sharded and pipeline.data_parallel_size > 1:
         model, optimizer_state = _weights(pipeline, plain_keys), state_by_name(optimizer, names)  # collectives
     elif pipeline.data_parallel_rank == 0:
         model, optimizer_state = _weights(pipeline, plain_keys), state_by_name(optimizer, names)
-    if pipeline.data_parallel_rank != 0:
+    if pipeline.data_parallel_rank != 0 or pipeline.tensor_parallel_rank != 0:
         return None
-    return ckpt.Shard(index=pipeline.pipeline_rank, count=world_size // pipeline.data_parallel_size,
+    return ckpt.Shard(index=pipeline.pipeline_rank, count=world_size // (pipeline.data_parallel_size * pipeline.plan.layout.tensor_parallel_size),
                       model=model, optimizer=optimizer_state, rng=rng_state())
 
 

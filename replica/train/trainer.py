@@ -172,6 +172,7 @@ class Trainer:
                            loss_reduction=self.loss_reduction,
                            data_parallel_size=self._replicas_asked(), mixed_precision=c.precision,
                            sharded_data_parallel=c.sharded_data_parallel,
+                           tensor_parallel_size=c.tensor_parallel_size,
                            timeout_s=c.timeout_s, **materialize)
         # fp16 steps through a loss scaler whose inf checks every rank shares
         self.scaler = GradScaler(device=pm.device, timeout_s=c.timeout_s) if c.precision == "fp16" else None

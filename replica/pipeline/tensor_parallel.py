@@ -1,0 +1,279 @@
+"""Tensor parallelism inside a stage, on torch's DTensor.
+
+The plan names the structures to cut (:class:`~replica.partition.tensor_parallel.ShardedBlock`:
+the graph nodes that compute on shards, the parameters cut and along which dim). On each
+rank of a stage's tensor-parallel group, :func:`shard_stage_tensors`:
+
+1. replaces each cut parameter by a ``DTensor`` sharded along its dim over the group's mesh
+   (each rank keeps only its slice; every rank starts from the same whole weight, so no
+   message is needed), under its original name: a tied embedding and head share one;
+2. rewrites the stage's graph so that the block's nodes compute on DTensors: every value
+   that enters a block from outside becomes a replicated DTensor (a no-op on data; its
+   gradient is all-reduced in backward where DTensor finds it partial), and every value
+   that leaves one becomes a plain tensor again, replicated — DTensor all-reduces a
+   row-parallel output (partial sums) and all-gathers a column-parallel head's logits there.
+
+Everything outside the blocks runs on plain tensors, replicated on each rank of the group.
+DTensor propagates the shardings through the ops inside a block (views keep the model's own
+head counts: shapes stay global), so the result and every gradient are the plain model's
+whatever the plan cuts; the plan only decides what is worth cutting. A stage's inputs and
+outputs are plain, whole tensors: the pipeline sends the same bytes between ranks of the same
+tensor-parallel coordinate as without tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from replica.errors import ConfigError
+from replica.partition.tensor_parallel import ShardedBlock
+from replica.pipeline.sharding import drop_dtype_asserts
+
+__all__ = ["shard_stage_tensors", "tensor_parallel_groups", "match_grad_placements", "split"]
+
+_IN, _OUT = "_replica_tp_in", "_replica_tp_out"
+
+
+def _dtensor() -> Any:
+    try:
+        from torch.distributed import tensor as dt
+        return dt
+    except ImportError:  # torch < 2.5 keeps it under _tensor
+        from torch.distributed import _tensor as dt  # type: ignore[no-redef]
+        return dt
+
+
+def _is_dtensor(x: Any) -> bool:
+    return isinstance(x, _dtensor().DTensor)
+
+
+class ToReplicated(torch.nn.Module):
+    """A plain tensor entering a block: the same data as a replicated DTensor (DTensors and
+    Python values pass)."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x: Any) -> Any:
+        dt = _dtensor()
+
+        def wrap(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and not isinstance(v, dt.DTensor):
+                return dt.DTensor.from_local(v, self.mesh, [dt.Replicate()], run_check=False)
+            return v
+        return tree_map(wrap, x)
+
+
+class ToPlain(torch.nn.Module):
+    """A DTensor leaving a block: made whole and replicated (an all-reduce of partial sums,
+    an all-gather of shards), then its local tensor."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x: Any) -> Any:
+        dt = _dtensor()
+
+        def unwrap(v: Any) -> Any:
+            if isinstance(v, dt.DTensor):
+                if any(not p.is_replicate() for p in v.placements):
+                    v = v.redistribute(self.mesh, [dt.Replicate()])
+                return v.to_local()
+            return v
+        return tree_map(unwrap, x)
+
+
+def _placement(dim: int, parts: int) -> Any:
+    """``Shard(dim)``; for a fused projection of ``parts`` parts, each rank's share of every
+    part (``_StridedShard``: Megatron's layout of a fused q/k/v weight), where torch has it."""
+    dt = _dtensor()
+    if parts > 1:
+        try:
+            from torch.distributed.tensor.placement_types import _StridedShard
+            return _StridedShard(dim, split_factor=parts)
+        except ImportError:  # older torch: cut whole; DTensor then gathers at the split (exact, slower)
+            pass
+    return dt.Shard(dim)
+
+
+def split(x: Any, split_size: Any, dim: int = 0) -> Any:
+    """``torch.split`` of a block's value; a fused projection's output held part by part
+    (``_StridedShard`` along ``dim``) split in as many equal parts gives each rank its share of
+    each part, ``Shard(dim)``, without a message (DTensor's own split would gather it whole)."""
+    dt = _dtensor()
+    if isinstance(x, dt.DTensor) and len(x.placements) == 1:
+        p, nd = x.placements[0], x.dim()
+        parts = getattr(p, "split_factor", 0)
+        if parts and p.is_shard() and p.dim % nd == dim % nd:
+            size = x.shape[dim]
+            sections = [split_size] * (size // split_size) if isinstance(split_size, int) else list(split_size)
+            if len(sections) == parts and len(set(sections)) == 1 and sum(sections) == size:
+                pieces = x.to_local().chunk(parts, dim)
+                return tuple(dt.DTensor.from_local(piece, x.device_mesh, [dt.Shard(dim % nd)], run_check=False)
+                             for piece in pieces)
+    return torch.split(x, split_size, dim)
+
+
+torch.fx.wrap("split")
+_registered = False
+
+
+def register_cpu_attention() -> None:
+    """DTensor's sharding rules for the CPU kernel of ``scaled_dot_product_attention``
+    (torch has them for the CUDA kernels only): query, key, value and output cut along heads
+    (dim 1), a mask whole (it broadcasts over heads), or everything whole. Registered once, when
+    a stage is first cut (adds rules for two ops DTensor had none for)."""
+    global _registered
+    if _registered:
+        return
+    try:
+        from torch.distributed.tensor.experimental import register_sharding
+    except ImportError:  # torch < 2.5: attention on CPU stays a DTensor error, named when it runs
+        return
+    dt = _dtensor()
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is None or backward is None:
+        return
+    heads, whole = dt.Shard(1), dt.Replicate()
+
+    def mask(attn_mask: Any, cut: Any) -> Any:
+        if attn_mask is None:
+            return None
+        return cut if cut is whole or attn_mask.shape[1] != 1 else whole
+
+    @register_sharding(forward.default)
+    def _forward(query: Any, key: Any, value: Any, dropout_p: float = 0.0, is_causal: bool = False,
+                 attn_mask: Any = None, scale: Any = None) -> list:
+        return [([cut, cut], [cut, cut, cut, None, None, mask(attn_mask, cut), None]) for cut in (heads, whole)]
+
+    @register_sharding(backward.default)
+    def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsumexp: Any, dropout_p: float,
+                  is_causal: bool, attn_mask: Any = None, scale: Any = None) -> list:
+        return [([cut, cut, cut], [cut] * 6 + [None, None, mask(attn_mask, cut), None]) for cut in (heads, whole)]
+
+    _registered = True
+_SPLITS = {torch.split, torch.Tensor.split, torch.ops.aten.split.Tensor}
+
+
+def _shard_parameters(module: fx.GraphModule, dims: dict[str, int | None], canonical: dict[str, str],
+                      mesh: Any, made: dict[int, torch.nn.Parameter], strided: dict[str, int]) -> int:
+    """Each parameter named in ``dims`` (by canonical name) becomes a DTensor cut along its dim
+    (None: replicated, for a whole bias a module inside a block adds), at every path it is
+    reachable by (``made``: the ones already made from each original, shared by a rank's
+    stages so that a weight two of them read stays one parameter). Returns how many."""
+    dt = _dtensor()
+    size = mesh.size()
+    for name, p in list(module.named_parameters(remove_duplicate=False)):
+        key = canonical.get(name, name)
+        if key not in dims or _is_dtensor(p):
+            continue
+        dim = dims[key]
+        if id(p) not in made:
+            if dim is None:
+                whole = dt.DTensor.from_local(p.detach(), mesh, [dt.Replicate()], run_check=False)
+                made[id(p)] = torch.nn.Parameter(whole, requires_grad=p.requires_grad)
+            elif p.shape[dim] % size:
+                raise ConfigError(f"parameter {name!r} of shape {tuple(p.shape)} cannot be cut {size} ways along "
+                                  f"dim {dim}; re-plan with a tensor_parallel_size that divides {p.shape[dim]}")
+            else:
+                local = dt.distribute_tensor(p.detach(), mesh, [_placement(dim, strided.get(key, 1))],
+                                             src_data_rank=None)
+                made[id(p)] = torch.nn.Parameter(local, requires_grad=p.requires_grad)
+        path, _, field = name.rpartition(".")
+        setattr(module.get_submodule(path), field, made[id(p)])
+    return len(made)
+
+
+def shard_stage_tensors(module: fx.GraphModule, blocks: Sequence[ShardedBlock], mesh: Any,
+                        canonical: dict[str, str] | None = None,
+                        made: dict[int, torch.nn.Parameter] | None = None) -> int:
+    """Cut ``module``'s share of ``blocks`` over ``mesh`` (the stage's tensor-parallel group),
+    in place: parameters become DTensor shards, the graph converts at the blocks' borders.
+    ``made``: pass one dict to every stage of a rank (a tied weight two of them hold stays one
+    parameter). Returns how many of the stage's nodes compute on shards."""
+    # the ops (a value received from another stage keeps its maker's name: it enters whole)
+    names = {n.name for n in module.graph.nodes if n.op in ("call_module", "call_function", "call_method")}
+    inside = {n for b in blocks for n in b.nodes} & names
+    if not inside:
+        return 0
+    canonical = canonical or {}
+    register_cpu_attention()
+    dims: dict[str, int | None] = {p: k for b in blocks if set(b.nodes) & inside for p, k in b.parameters}
+    for n in module.graph.nodes:  # a called module's other parameters (a row-parallel bias): replicated
+        if n.op == "call_module" and n.name in inside:
+            for field, _ in module.get_submodule(str(n.target)).named_parameters(recurse=False):
+                name = f"{n.target}.{field}"
+                dims.setdefault(canonical.get(name, name), None)
+    strided = {p: k for b in blocks if set(b.nodes) & inside for p, k in b.strided}
+    _shard_parameters(module, dims, canonical, mesh, {} if made is None else made, strided)
+    drop_dtype_asserts(module)  # export's dtype checks have no sharding rule (they compute nothing)
+    module.add_module(_IN, ToReplicated(mesh))
+    module.add_module(_OUT, ToPlain(mesh))
+    graph = module.graph
+    wrapped: dict[fx.Node, fx.Node] = {}
+    nodes = [n for n in graph.nodes]
+    for n in nodes:
+        if n.name not in inside:
+            continue
+        def entering(a: fx.Node) -> fx.Node:
+            if a.name in inside or a.op == "get_attr" and _is_dtensor(_attr(module, str(a.target))):
+                return a
+            if a not in wrapped:
+                with graph.inserting_after(a):
+                    wrapped[a] = graph.call_module(_IN, (a,))
+            return wrapped[a]
+        n.args = fx.map_arg(n.args, entering)
+        n.kwargs = fx.map_arg(n.kwargs, entering)
+    for n in nodes:
+        if n.name not in inside:
+            continue
+        if n.op == "call_method" and n.target == "split" or n.op == "call_function" and n.target in _SPLITS:
+            n.op, n.target = "call_function", split  # a fused projection's parts, each rank its share
+        outside = [u for u in n.users if u.name not in inside]
+        if not outside:
+            continue
+        with graph.inserting_after(n):
+            plain = graph.call_module(_OUT, (n,))
+        for u in outside:
+            u.replace_input_with(n, plain)
+    graph.lint()
+    module.recompile()
+    return len(inside)
+
+
+def _attr(module: torch.nn.Module, target: str) -> Any:
+    path, _, field = target.rpartition(".")
+    return getattr(module.get_submodule(path), field)
+
+
+def match_grad_placements(params: Iterable[torch.nn.Parameter]) -> None:
+    """Make each DTensor parameter's gradient placed as the parameter is (a partial sum made
+    whole), so the optimizer and the data-parallel reduction read what they expect."""
+    for p in params:
+        g = p.grad
+        if g is not None and _is_dtensor(p) and _is_dtensor(g) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def tensor_parallel_groups(layout: Any, rank: int, timeout: Any) -> Any:
+    """Every stage's tensor-parallel group, made in the same order on every rank
+    (``new_group`` is collective); returns this rank's."""
+    import torch.distributed as dist
+
+    t, mine = layout.tensor_parallel_size, None
+    coords = layout.coordinates(rank)
+    for dp in range(layout.data_parallel_size):
+        for pp in range(layout.pipeline_ranks):
+            members = [layout.global_rank(pp, dp, k) for k in range(t)]
+            group = dist.new_group(members, timeout=timeout)
+            if (dp, pp) == (coords.data_parallel_rank, coords.pipeline_rank):
+                mine = group
+    return mine
