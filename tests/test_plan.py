@@ -418,3 +418,12 @@ def test_boundary_tensor_is_frozen():
     b = BoundaryTensor("x", 0, (1,), (2, 3), "float32", 24)
     with pytest.raises(dataclasses.FrozenInstanceError):
         b.name = "y"  # type: ignore[misc]
+
+
+def test_interleaved_with_three_stages_per_rank_plans() -> None:
+    """9 stages on 3 ranks (3 model chunks each): the plan's layout has the ranks the stages were
+    balanced over, not the schedule's default of 2 stages a rank (which 9 does not divide)."""
+    model, inputs, _, _ = models.tiny_gpt(8, num_layers=9)
+    plan = replica.plan(model, inputs, world_size=3, num_stages=9, num_microbatches=3, schedule="interleaved",
+                        device="a100-80gb")
+    assert (plan.layout.pipeline_ranks, plan.layout.num_stages) == (3, 9)

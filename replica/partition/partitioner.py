@@ -291,7 +291,8 @@ def partition(
         lat = [2 * cm.transfer_time(0, num_messages=m) for cm in models]
         worst = max(sum(models[k].forward_time(n, m) + models[k].backward_time(n, m)
                         for n in nodes[bounds[k]:bounds[k + 1]]) for k in range(num_stages))
-        plan = _describe(graph, models, bounds, worst, m, schedule, flights, memory_model, lat, True, 0.0)
+        plan = _describe(graph, models, bounds, worst, m, schedule, flights, memory_model, lat, True, 0.0,
+                         stage_ranks)
         step = max(st.predicted_time_s for st in plan.stages) * (m + num_stages - 1) / m
         return dataclasses.replace(plan, predicted_step_time_s=step)
 
@@ -394,7 +395,7 @@ def partition(
     work = [again * models[0].forward_time(n, m) + models[0].backward_time(n, m) for n in nodes]
     lower_bound = max(sum(work) / num_stages, max(work)) if len({id(x) for x in models}) == 1 else 0.0
     return _describe(graph, models, bounds, bottleneck, m, schedule, flights, memory_model, latency,
-                     exact, lower_bound)
+                     exact, lower_bound, stage_ranks)
 
 
 def _budgets(memory_budget: float | Sequence[float] | None, models: list[CostModel], k: int) -> list[float]:
@@ -524,6 +525,7 @@ def held_tensors(graph: Graph, members: Sequence[Sequence[Node]]) -> list[list[s
 def _describe(
     graph: Graph, models: list[CostModel], bounds: list[int], bottleneck: float, m: int, schedule: str,
     flights: list[int], memory_model: MemoryModel, latency: list[float], exact: bool, lower_bound: float,
+    stage_ranks: Sequence[int] | None = None,
 ) -> Plan:
     nodes = graph.nodes
     num_stages = len(bounds) - 1
@@ -598,7 +600,9 @@ def _describe(
     step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}
     devices = list(dict.fromkeys(cm.device.name for cm in models))
-    ranks = schedule_kind(schedule).pipeline_ranks(num_stages)  # the planner lays out the plan it keeps
+    # the ranks the stages were balanced over (3 stages a rank, interleaved), else the schedule's
+    # default; the planner lays out the plan it keeps
+    ranks = len(set(stage_ranks)) if stage_ranks is not None else schedule_kind(schedule).pipeline_ranks(num_stages)
     return Plan(
         model_name=graph.model_name, layout=Layout(schedule=schedule, num_stages=num_stages, pipeline_ranks=ranks),
         num_microbatches=m,
