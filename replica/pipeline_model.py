@@ -370,7 +370,35 @@ class PipelineModel:
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
-        return self.model.load_state_dict(state_dict, strict=strict)
+        """Load whole tensors by original name (the plain model's ``state_dict``, or this one's).
+        In one process: the model's own ``load_state_dict``. Across processes each rank copies
+        only the tensors it holds, cut as it holds them (a sharded replica's or tensor-parallel
+        rank's part); ``strict``: a tensor this rank holds missing from ``state_dict``, a key the
+        model does not have, or a shape that differs is a ``ConfigError`` before anything is
+        copied. Returns torch's ``(missing_keys, unexpected_keys)``."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        from replica.pipeline.sharding import shard_like
+
+        if isinstance(self.runtime, LocalRuntime):
+            return self.model.load_state_dict(state_dict, strict=strict)
+        known = set(self.model.state_dict(keep_vars=True))
+        held = {k: v for k, v in self.held_state().items() if k in known}
+        missing = sorted(k for k in held if k not in state_dict)
+        unexpected = sorted(k for k in state_dict if k not in known)
+        wrong = [f"{k}: {tuple(state_dict[k].shape)} for {tuple(v.shape)}" for k, v in held.items()
+                 if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)]
+        if wrong or (strict and (missing or unexpected)):
+            raise ConfigError(
+                f"load_state_dict: {len(missing)} tensors this rank holds are missing (e.g. {missing[:3]}), "
+                f"{len(unexpected)} keys are not the model's (e.g. {unexpected[:3]}), {len(wrong)} shapes differ "
+                f"({wrong[:3]}); pass the plain model's state_dict (or strict=False to skip missing and unknown keys)"
+            )
+        with torch.no_grad():
+            for key, tensor in held.items():
+                if key in state_dict:
+                    tensor.copy_(shard_like(state_dict[key].to(dtype=tensor.dtype), tensor))
+        return _IncompatibleKeys(missing, unexpected)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)

@@ -126,6 +126,10 @@ def _check(name: str, precision: str | None, layout: dict) -> dict:
     held = {n for n, _ in pm.named_parameters()}
     assert held <= set(state) & set(plain_state), sorted(held - set(state))
     assert all(state[k].shape == plain_state[k].shape and type(state[k]) is torch.Tensor for k in held)
+    pm.load_state_dict(plain_state)  # back to the plain model's weights: each rank copies its part
+    for pname, p in pm.named_parameters():
+        loaded = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        assert torch.equal(loaded, plain_state[pname]), pname
     return {"case": name, "loss": float(loss), "cut": cut, "whole": whole, "local": local,
             "blocks": sorted(b.kind for b in pm.plan.tensor_parallel), "layout": pm.plan.layout.describe(),
             "tp": pm.plan.layout.tensor_parallel_size, "comms": dict(counts)}
