@@ -21,15 +21,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from replica.pipeline.sharding import local_tensor
+
 __all__ = ["ReplicaReducer", "BUCKET_BYTES"]
 
 BUCKET_BYTES = 4 * 2**20
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's (tensor-parallel shard's) local tensor; any other tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 class ReplicaReducer:
@@ -48,7 +44,7 @@ class ReplicaReducer:
                     buckets.append([])
                     size_now = 0
                 buckets[-1].append(p)
-                size_now += _local(p).numel() * p.element_size()
+                size_now += local_tensor(p).numel() * p.element_size()
                 self.where[id(p)] = (stage, len(buckets) - 1)
             self.buckets[stage] = buckets
         self.armed: int | None = None
@@ -85,7 +81,7 @@ class ReplicaReducer:
             flat /= self.size
             offset = 0
             for p in params:
-                grad = _local(p.grad)  # a tensor-parallel shard: this rank's part
+                grad = local_tensor(p.grad)  # a tensor-parallel shard: this rank's part
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
@@ -104,5 +100,5 @@ class ReplicaReducer:
         params = [p for p in self.buckets[stage][b] if p.grad is not None]
         if not params:
             return
-        flat = torch.cat([_local(p.grad).reshape(-1) for p in params])
+        flat = torch.cat([local_tensor(p.grad).reshape(-1) for p in params])
         self.works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, params))
