@@ -38,7 +38,7 @@ from replica.partition.partitioner import partition  # noqa: E402
 from replica.partition.profile import profile  # noqa: E402
 from replica.partition.split import split  # noqa: E402
 from replica.partition.trace import trace  # noqa: E402
-from replica.pipeline import microbatch  # noqa: E402
+from replica.runtime import microbatch  # noqa: E402
 
 
 class UNet(nn.Module):

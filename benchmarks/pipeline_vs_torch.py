@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import replica  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig, loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
-from replica.pipeline.schedule import format_grid  # noqa: E402
+from replica.schedules.schedule import format_grid  # noqa: E402
 
 CONFIG = dict(block_size=128, vocab_size=512, n_layer=8, n_head=8, n_embd=256, dropout=0.0)
 BATCH, SEQ, MICROBATCHES = 32, 128, 8
@@ -226,7 +226,7 @@ def rss_job(rank: int, world: int, framework: str, steps: int, vocab: int = 0, v
         for _ in range(steps):
             torch_step(rank, module, sched, x, y, v)
     elif framework == "replica-auto":  # no hint at all: the tuner's choice
-        replica.keep_freed_memory()  # as every Replica run here: glibc keeps freed memory (pipeline/heap.py)
+        replica.keep_freed_memory()  # as every Replica run here: glibc keeps freed memory (runtime/heap.py)
         pm = replica.auto_parallel(model, (x,), loss_fn=loss_fn)
         for _ in range(steps):
             pm.zero_grad()
@@ -314,7 +314,7 @@ def main() -> None:
             print(f"peak RSS per rank (MiB), {what}: " + ", ".join(f"{fw} {[round(x) for x in r]}"
                                                                    for fw, r in rss.items()))
         return
-    # every mode of a round shares the ranks: all run with glibc keeping freed memory (pipeline/heap.py)
+    # every mode of a round shares the ranks: all run with glibc keeping freed memory (runtime/heap.py)
     results = run_local(compare, 2, args.rounds, args.steps, schedules, torch_schedules, args.vocab,
                         timeout_s=3000, keep_freed_memory=True)
     result = results[0]
@@ -338,7 +338,7 @@ def main() -> None:
               f"{best_torch / t:>14.2f}x")
     paired(result["times"])
     # glibc hands a freed heap top back to the system and the next allocation faults it in
-    # again, zero-filled: the cost pipeline/heap.py keeps Replica's CPU ranks from paying
+    # again, zero-filled: the cost runtime/heap.py keeps Replica's CPU ranks from paying
     print("\npage faults per step, median over rounds [rank 0, rank 1]: " + ", ".join(
         f"{k} {[round(r['faults'][k]) for r in results]}" for k in result["times"]))
     rss = {}

@@ -8,7 +8,7 @@ Variants of the planned pipeline (each against the plan as it is):
 - ``norm``: stage 0 also rebuilds LayerNorm outputs;
 - ``keep``: no stage rebuilds anything;
 - ``rewrite-0``: stage 0's linears rewritten to collect their weight gradients
-  (``pipeline/weightgrad.py``), each added into ``.grad`` by ``addmm_`` inside the backward,
+  (``stage/weightgrad.py``), each added into ``.grad`` by ``addmm_`` inside the backward,
   as before commit ae4faae; the plan runs autograd's own linears there, as a stage that
   sends no input gradient back does now. (Until that commit this file measured the
   reverse, ``autograd-w``: autograd's accumulation on a rewritten stage 0.)
@@ -35,7 +35,7 @@ import replica  # noqa: E402
 from benchmarks.pipeline_vs_torch import build  # noqa: E402
 from examples.gpt.model import loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
-from replica.pipeline.weightgrad import defer_linear_weight_grads  # noqa: E402
+from replica.stage.weightgrad import defer_linear_weight_grads  # noqa: E402
 
 VARIANTS = ("norm", "keep", "rewrite-0")
 

@@ -24,7 +24,7 @@ Two runs per layout:
   torch's profiler (``profile_memory``): the tensors held at the step's start and the most
   alive at once during it (every allocation and free summed in order: glibc's retained
   memory, which RSS counts, left out). The bytes the rank holds after the step in parameters
-  + gradients + AdamW state (local shards: ``replica.pipeline.sharding.local_tensor``), beside
+  + gradients + AdamW state (local shards: ``replica.parallel.fsdp.local_tensor``), beside
   the same tensors whole (what a replicated rank holds for its stages).
 - RSS, in fresh processes per sharding (``ru_maxrss`` is a lifetime peak): RSS after the
   set-up (``auto_parallel`` + AdamW built), the peak of the training steps above it (VmHWM,
@@ -58,8 +58,8 @@ from benchmarks.mixed_precision import reset_peak  # noqa: E402
 from benchmarks.pipeline_vs_torch import CONFIG, build, timed  # noqa: E402
 from examples.gpt.model import loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
-from replica.pipeline.actions import BACKWARD, FORWARD  # noqa: E402
-from replica.pipeline.sharding import block_groups, local_tensor  # noqa: E402
+from replica.parallel.fsdp import block_groups, local_tensor  # noqa: E402
+from replica.schedules.actions import BACKWARD, FORWARD  # noqa: E402
 
 MiB = 1 << 20
 SHARDINGS = ("none", "zero3", "zero2")

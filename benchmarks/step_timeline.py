@@ -23,7 +23,8 @@ import replica  # noqa: E402
 from benchmarks.pipeline_vs_torch import MICROBATCHES, build  # noqa: E402
 from examples.gpt.model import loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
-from replica.pipeline.simulate import Timeline, simulate, stage_costs_from_plan  # noqa: E402
+from replica.planner.costs import stage_costs_from_plan  # noqa: E402
+from replica.schedules.simulate import Timeline, simulate  # noqa: E402
 from replica.viz.chrome import write_chrome_trace  # noqa: E402
 
 

@@ -21,7 +21,7 @@ All three are built in the same pair of processes (``replica.keep_freed_memory()
 the median step time, the median (and range) of the per-round ratio to ``dp``, the planner's
 predicted step time (``pm.plan.predicted_step_time_s``), the blocks cut
 (``pm.plan.tensor_parallel``, by ``ShardedBlock.kind``), and the bytes of parameters each rank
-holds (local shards, ``replica.pipeline.sharding.local_tensor``) beside the same tensors whole.
+holds (local shards, ``replica.parallel.fsdp.local_tensor``) beside the same tensors whole.
 The loss each layout returns on the first step is printed too (all three should agree).
 
 Usage: ``python benchmarks/tensor_parallel_cpu.py [--rounds 5] [--steps 1] [--batch 32]
@@ -47,7 +47,7 @@ import replica  # noqa: E402
 from benchmarks.pipeline_vs_torch import CONFIG, build, timed  # noqa: E402
 from examples.gpt.model import loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
-from replica.pipeline.sharding import local_tensor  # noqa: E402
+from replica.parallel.fsdp import local_tensor  # noqa: E402
 
 MiB = 1 << 20
 LAYOUTS = {

@@ -3,6 +3,8 @@
 from replica import defaults
 from replica.amp import GradScaler
 from replica.api import PipelineModel, auto_parallel, plan
+from replica.checkpoint.export import export_safetensors
+from replica.checkpoint.store import CheckpointError, load_into_plain_model
 from replica.errors import (
     ConfigError,
     PartitionError,
@@ -15,10 +17,8 @@ from replica.layout import Layout
 from replica.materialize import deferred_init, materialize
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
-from replica.pipeline.heap import keep_freed_memory
 from replica.planner.options import PlannerOptions
-from replica.train.checkpoint import CheckpointError, load_into_plain_model
-from replica.train.export import export_safetensors
+from replica.runtime.heap import keep_freed_memory
 from replica.train.trainer import Trainer, get_trainer
 from replica.viz.report import visualize
 

@@ -14,11 +14,11 @@ from replica.materialize import check_initializable
 from replica.meta import materialize_own_stages, ready_for_runtime
 from replica.partition.plan import Plan
 from replica.partition.trace import trace
-from replica.pipeline.local import LossFn
 from replica.pipeline_model import PipelineModel
 from replica.planner import PlannerOptions, PlanRequest, make_plan
 from replica.planner.agree import agree_on_plan, distributed, use_the_model_device
 from replica.precision import precision_name
+from replica.runtime.local import LossFn
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
 

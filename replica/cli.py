@@ -56,7 +56,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from replica.train.export import export_safetensors
+    from replica.checkpoint.export import export_safetensors
 
     written = export_safetensors(args.checkpoint, args.out_dir, max_shard_bytes=args.max_shard_size,
                                  overwrite=args.overwrite)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from replica.errors import ConfigError, PipelineError
-from replica.pipeline.heap import keep_freed_memory as _keep_freed_memory
+from replica.runtime.heap import keep_freed_memory as _keep_freed_memory
 
 __all__ = ["run_local", "free_port"]
 

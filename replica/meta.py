@@ -14,7 +14,7 @@ from replica.materialize import materialize_modules
 from replica.partition.holding import rebind_tensors
 from replica.partition.plan import Plan
 from replica.partition.trace import Traced
-from replica.pipeline.schedule import placement, plan_schedule
+from replica.schedules.schedule import placement, plan_schedule
 
 __all__ = ["materialize_own_stages", "ready_for_runtime", "stage_device"]
 

@@ -10,23 +10,23 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from replica.amp import GradScaler
 from replica.errors import ConfigError, PipelineError
+from replica.parallel.fsdp import full_tensor
+from replica.parallel.tensor_parallel import shard_stage_tensors, tensor_parallel_groups
 from replica.partition.modes import following, frozen_mode_ops
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule, split
 from replica.partition.trace import Traced
-from replica.pipeline import microbatch
-from replica.pipeline.batchnorm import defer_batchnorm
-from replica.pipeline.distributed import DistributedRuntime, Topology
-from replica.pipeline.executor import sending_input_grads
-from replica.pipeline.local import LocalRuntime, LossFn
-from replica.pipeline.remat import rebuildable_norms
-from replica.pipeline.schedule import placement, plan_schedule, splits_backward  # plan_schedule: re-exported
-from replica.pipeline.shapes import ShapeOracle
-from replica.pipeline.sharding import full_tensor
-from replica.pipeline.simulate import Timeline
-from replica.pipeline.tensor_parallel import shard_stage_tensors, tensor_parallel_groups
-from replica.pipeline.weightgrad import defer_linear_weight_grads
 from replica.precision import ambient_autocast, autocast_dtype
+from replica.runtime import microbatch
+from replica.runtime.distributed import DistributedRuntime, Topology
+from replica.runtime.executor import sending_input_grads
+from replica.runtime.local import LocalRuntime, LossFn
+from replica.runtime.shapes import ShapeOracle
+from replica.schedules.schedule import placement, plan_schedule, splits_backward  # plan_schedule: re-exported
+from replica.schedules.simulate import Timeline
+from replica.stage.batchnorm import defer_batchnorm
+from replica.stage.remat import rebuildable_norms
+from replica.stage.weightgrad import defer_linear_weight_grads
 
 __all__ = ["PipelineModel", "plan_schedule"]
 
@@ -131,7 +131,7 @@ class PipelineModel:
 
     def _cut_tensor_parallel(self, plan: Plan, topology: Topology, device: torch.device, timeout_s: float) -> None:
         """Cut the plan's tensor-parallel blocks of this rank's stages over its tensor-parallel
-        group (DTensor shards of their parameters, pipeline/tensor_parallel.py). Every rank
+        group (DTensor shards of their parameters, parallel/tensor_parallel.py). Every rank
         makes every group, in one order; only its own pipeline position's stages are cut."""
         import datetime
 
@@ -269,7 +269,7 @@ class PipelineModel:
 
     def measure_step(self, inputs: Any, target: Any, **kwargs: Any) -> tuple[torch.Tensor, Timeline]:
         """:meth:`train_step` (the same gradients and loss) that also times every action:
-        returns ``(loss, timeline)``, the measured :class:`~replica.pipeline.simulate.Timeline`
+        returns ``(loss, timeline)``, the measured :class:`~replica.schedules.simulate.Timeline`
         of this replica's pipeline ranks, on each of them. An action's interval starts when
         its inputs have arrived, so waits for a peer show as idle time; a backward that sends
         its input gradients before its weight gradients reads as a B and a W. Draw it beside
@@ -378,7 +378,7 @@ class PipelineModel:
         copied. Returns torch's ``(missing_keys, unexpected_keys)``."""
         from torch.nn.modules.module import _IncompatibleKeys
 
-        from replica.pipeline.sharding import shard_like
+        from replica.parallel.fsdp import shard_like
 
         if isinstance(self.runtime, LocalRuntime):
             return self.model.load_state_dict(state_dict, strict=strict)

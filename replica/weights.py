@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from replica.checkpoint import store as ckpt
 from replica.errors import ConfigError, ReplicaError
-from replica.train import checkpoint as ckpt
 
 __all__ = ["WeightsError", "read_weights", "wanted_from", "write_safetensors"]
 
@@ -31,7 +31,7 @@ _SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in {
     if hasattr(torch, name)}
 _SAFETENSORS_CODES = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
 _LISTED = 10  # names shown per kind of problem
-_STEP = re.compile(r"^step-\d{8,}$")  # as replica.train.checkpoint names them
+_STEP = re.compile(r"^step-\d{8,}$")  # as replica.checkpoint.store names them
 
 
 class WeightsError(ReplicaError):

@@ -1,4 +1,4 @@
-"""Batch norm across micro-batches (``replica.pipeline.batchnorm``): running statistics of the
+"""Batch norm across micro-batches (``replica.stage.batchnorm``): running statistics of the
 whole batch, updated once a step; gradients those of the plain model on each micro-batch."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import replica
 from replica.errors import PipelineError
-from replica.pipeline import microbatch
+from replica.runtime import microbatch
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 

@@ -11,11 +11,20 @@ import pytest
 import torch
 
 import replica
-from replica.train import checkpoint as ckpt
-from replica.train.checkpoint import CheckpointError, load_into_plain_model
+from replica.checkpoint import store as ckpt
+from replica.checkpoint.store import CheckpointError, load_into_plain_model
 from replica.train.rng import rng_state, set_rng_state
-from tests.train_cases import (ACROSS_LAYOUTS, DATA, EPOCHS, Stop, assert_same_weights, make_trainer, run,
-                               small_cnn, weights)
+from tests.train_cases import (
+    ACROSS_LAYOUTS,
+    DATA,
+    EPOCHS,
+    Stop,
+    assert_same_weights,
+    make_trainer,
+    run,
+    small_cnn,
+    weights,
+)
 
 
 @pytest.fixture(scope="module")

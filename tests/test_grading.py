@@ -10,10 +10,11 @@ import torch
 
 import replica
 from replica.partition.plan import Plan
-from replica.pipeline import grading, microbatch
-from replica.pipeline.grading import grade
-from replica.pipeline.schedule import make_schedule
-from replica.pipeline.simulate import StageCosts, simulate
+from replica.runtime import microbatch
+from replica.schedules import grading
+from replica.schedules.grading import grade
+from replica.schedules.schedule import make_schedule
+from replica.schedules.simulate import StageCosts, simulate
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 

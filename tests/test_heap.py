@@ -1,4 +1,4 @@
-"""CPU ranks keep freed memory for the next micro-batch, when asked (replica/pipeline/heap.py)."""
+"""CPU ranks keep freed memory for the next micro-batch, when asked (replica/runtime/heap.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import replica
 from replica.errors import ConfigError
 from replica.launch import run_local
-from replica.pipeline import heap
+from replica.runtime import heap
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -25,7 +25,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 FAULTS = textwrap.dedent("""
     import resource, sys
     import torch
-    from replica.pipeline.heap import keep_freed_memory
+    from replica.runtime.heap import keep_freed_memory
     applied = keep_freed_memory() if sys.argv[1] == "keep" else False
     def faults():
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -2,8 +2,8 @@
 
 The graph is read from the source with ``ast`` (and searched with networkx): every
 ``import`` statement counts for circles, at module level, inside functions and under
-``if TYPE_CHECKING:`` alike. An edge goes to the module named (``from replica.pipeline
-import microbatch`` names ``replica.pipeline.microbatch``), not to the packages Python
+``if TYPE_CHECKING:`` alike. An edge goes to the module named (``from replica.schedules
+import grading`` names ``replica.schedules.grading``), not to the packages Python
 runs on the way there.
 """
 
@@ -87,9 +87,9 @@ RUNTIME = import_graph(type_only=False)  # what importing a module runs
 
 
 def test_the_graph_sees_the_package():
-    assert {"replica", "replica.pipeline.schedule", "replica.pipeline.simulate"} <= set(GRAPH)
-    assert GRAPH.has_edge("replica.pipeline.simulate", "replica.pipeline.schedule")
-    assert GRAPH.has_edge("replica.pipeline.schedule", "replica.pipeline.actions")
+    assert {"replica", "replica.schedules.schedule", "replica.schedules.simulate"} <= set(GRAPH)
+    assert GRAPH.has_edge("replica.schedules.grading", "replica.schedules.simulate")
+    assert GRAPH.has_edge("replica.schedules.schedule", "replica.schedules.actions")
 
 
 def test_the_graph_reads_every_kind_of_import(tmp_path):
@@ -99,15 +99,15 @@ def test_the_graph_reads_every_kind_of_import(tmp_path):
         "from . import actions\n"
         "from ..partition.plan import Plan\n"
         "if TYPE_CHECKING:\n"
-        "    import replica.pipeline.simulate\n"
+        "    import replica.schedules.simulate\n"
         "def f():\n"
-        "    from replica.pipeline import microbatch, schedule\n"
+        "    from replica.schedules import grading, schedule\n"
         "    import torch.nn\n"
     )
-    found = _imports("replica.pipeline.mod", path)
-    assert found == [("typing", 1), ("replica.pipeline.actions", 2), ("replica.partition.plan", 3),
-                     ("replica.pipeline.simulate", 5), ("replica.pipeline.microbatch", 7),
-                     ("replica.pipeline.schedule", 7), ("torch.nn", 8)]
+    found = _imports("replica.schedules.mod", path)
+    assert found == [("typing", 1), ("replica.schedules.actions", 2), ("replica.partition.plan", 3),
+                     ("replica.schedules.simulate", 5), ("replica.schedules.grading", 7),
+                     ("replica.schedules.schedule", 7), ("torch.nn", 8)]
     assert _type_only(ast.parse(path.read_text())) == {5}
 
 
@@ -122,18 +122,18 @@ def test_no_import_circle_inside_replica():
 
 
 @pytest.mark.parametrize("module, allowed", [
-    ("replica.pipeline.actions", {"replica.errors"}),
-    ("replica.pipeline.replay", {"replica.errors", "replica.pipeline.actions"}),
-    ("replica.pipeline.zerobubble", {"replica.errors", "replica.pipeline.actions", "replica.pipeline.replay"}),
+    ("replica.schedules.actions", {"replica.errors"}),
+    ("replica.schedules.replay", {"replica.errors", "replica.schedules.actions"}),
+    ("replica.schedules.zerobubble", {"replica.errors", "replica.schedules.actions", "replica.schedules.replay"}),
 ])
 def test_the_schedule_base_layer_stands_alone(module, allowed):
     inside = {n for n in nx.descendants(GRAPH, module) if n.startswith("replica")}
     assert inside <= allowed, f"{module} reaches {sorted(inside - allowed)}"
 
 
-@pytest.mark.parametrize("module", ["replica.pipeline.actions", "replica.pipeline.replay",
-                                    "replica.pipeline.zerobubble", "replica.pipeline.schedule"])
+@pytest.mark.parametrize("module", ["replica.schedules.actions", "replica.schedules.replay",
+                                    "replica.schedules.zerobubble", "replica.schedules.schedule"])
 def test_schedules_never_reach_torch_or_the_simulator(module):
-    assert "replica.pipeline.simulate" not in nx.descendants(GRAPH, module)
+    assert "replica.schedules.simulate" not in nx.descendants(GRAPH, module)
     reached = nx.descendants(RUNTIME, module)
     assert "torch" not in reached, [p for p in nx.all_simple_paths(RUNTIME, module, "torch")][:3]

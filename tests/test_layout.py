@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import replica
-from replica.layout import Coordinates, SCHEDULE_KINDS, TUNED_SCHEDULES, Layout, schedule_kind, schedule_names
-from replica.pipeline.schedule import make_schedule, placement, splits_backward
+from replica.layout import SCHEDULE_KINDS, TUNED_SCHEDULES, Coordinates, Layout, schedule_kind, schedule_names
+from replica.schedules.schedule import make_schedule, placement, splits_backward
 
 
 @pytest.mark.parametrize("name", list(SCHEDULE_KINDS))

@@ -286,7 +286,7 @@ def test_a_trainer_trains_a_meta_model_and_resumes_it_from_its_own_checkpoint(tm
     """From init, the Trainer's meta model holds materialize's weights; a fresh meta model resumed from
     the checkpoint is materialized from it (weights= the step, no init), then ends as the
     uninterrupted run, bit for bit."""
-    from replica.train import checkpoint as ckpt
+    from replica.checkpoint import store as ckpt
     from tests.train_cases import small_cnn
 
     built = spy_on_builds(monkeypatch)
@@ -373,7 +373,7 @@ def test_an_exported_checkpoint_loads_with_from_pretrained(gpt2_checkpoint, tmp_
     from_pretrained gives the pipeline's weights and logits."""
     from safetensors import safe_open
 
-    from replica.train import checkpoint as ckpt
+    from replica.checkpoint import store as ckpt
 
     directory, cfg, state, ids, logits = gpt2_checkpoint
     assert ckpt.read_manifest(directory / "step-00000002")["tied_parameters"] == {
@@ -423,7 +423,7 @@ def test_the_export_command_and_overwrite(gpt2_checkpoint, tmp_path, capsys) -> 
 
 
 def test_export_errors_name_the_problem_and_the_fix(gpt2_checkpoint, tmp_path) -> None:
-    from replica.train.checkpoint import CheckpointError
+    from replica.checkpoint.store import CheckpointError
 
     directory, *_ = gpt2_checkpoint
     with pytest.raises(CheckpointError, match="does not exist; pass a checkpoint_dir"):
@@ -477,7 +477,7 @@ def test_export_stores_a_weight_tied_across_shards_once(tmp_path) -> None:
     equal values under names not recorded as tied both stay."""
     from safetensors.torch import load_file
 
-    from replica.train import checkpoint as ckpt
+    from replica.checkpoint import store as ckpt
 
     embedding, norm = torch.randn(8, 4), torch.ones(4)
     shards = [{"wte.weight": embedding, "ln.weight": norm},

@@ -1,4 +1,4 @@
-"""Tests of micro-batch manipulation (``replica.pipeline.microbatch``)."""
+"""Tests of micro-batch manipulation (``replica.runtime.microbatch``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import replica
-from replica.pipeline import microbatch
+from replica.runtime import microbatch
 
 
 def sizes(mbs, index=0):

@@ -12,7 +12,7 @@ import torch
 
 import replica
 from replica.layout import schedule_names
-from replica.pipeline import microbatch
+from replica.runtime import microbatch
 from tests import models
 from tests.distributed.test_mixed_precision_distributed import microbatch_reference
 
@@ -190,8 +190,8 @@ def test_the_trainer_trains_in_half_precision_and_resumes(tmp_path, precision: s
 
 
 def test_a_tensor_that_disagrees_with_the_agreed_dtype_is_named_before_it_is_sent() -> None:
-    from replica.pipeline.executor import _check_agreed
-    from replica.pipeline.shapes import TensorMeta
+    from replica.runtime.executor import _check_agreed
+    from replica.runtime.shapes import TensorMeta
 
     agreed = TensorMeta((4, 8), torch.float32, True)
     _check_agreed(torch.zeros(4, 8), agreed, "add_4", 0, (1,), 2)  # as agreed: nothing to say

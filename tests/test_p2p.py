@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replica.errors import ScheduleError
-from replica.pipeline.mailbox import Mailbox
-from replica.pipeline.p2p import BWD, FWD, check_fifo, linearize, ordered, step_messages
-from replica.pipeline.schedule import INTERLEAVED, SCHEDULES, V_SHAPED, make_schedule, placement
+from replica.runtime.mailbox import Mailbox
+from replica.runtime.p2p import BWD, FWD, check_fifo, linearize, ordered, step_messages
+from replica.schedules.schedule import INTERLEAVED, SCHEDULES, V_SHAPED, make_schedule, placement
 
 
 def chain(num_stages: int) -> list[tuple[str, int, int]]:
@@ -139,8 +139,8 @@ def test_mailbox_posts_in_the_pair_order_whatever_the_environment(monkeypatch):
     """Rank 1 of a 2-stage 1F1B step posts its first receive at once and the rest in the
     pair's order, each when the send before it went out, every tag 0: NCCL's matching. The
     old ``REPLICA_P2P=eager`` switch (every receive up front, by tag) is gone."""
-    from replica.pipeline import mailbox
-    from replica.pipeline.shapes import TensorMeta
+    from replica.runtime import mailbox
+    from replica.runtime.shapes import TensorMeta
 
     monkeypatch.setenv("REPLICA_P2P", "eager")  # ignored now
     posted: list[tuple[str, tuple, int]] = []
@@ -174,7 +174,7 @@ def test_mailbox_posts_in_the_pair_order_whatever_the_environment(monkeypatch):
 
 
 def test_pair_digest_tells_orders_apart():
-    from replica.pipeline.mailbox import digest as _digest
+    from replica.runtime.mailbox import digest as _digest
 
     schedule = make_schedule("1f1b", 2, 3)
     messages = ordered(step_messages(chain(2), placement(schedule), 3, train=True),

@@ -12,7 +12,7 @@ import torch
 
 import replica
 from replica.layout import Layout
-from replica.partition.partitioner import fingerprint
+from replica.partition.graph import fingerprint
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown
 from replica.partition.trace import trace
 from tests import models
@@ -73,7 +73,7 @@ def test_a_plan_of_format_1_loads_with_its_layout(plan):
 def test_the_plan_carries_its_action_lists(gpt, schedule, stages):
     """Worked out once by the planner: the pipeline runs them, the report and the simulator
     read them, and a plan from JSON carries the same ones."""
-    from replica.pipeline.schedule import format_grid, plan_schedule
+    from replica.schedules.schedule import format_grid, plan_schedule
 
     p = replica.plan(gpt.model, gpt.example_inputs, num_stages=stages, schedule=schedule, device=COMPUTE_BOUND)
     assert len(p.actions) == p.pipeline_ranks
@@ -86,7 +86,7 @@ def test_the_plan_carries_its_action_lists(gpt, schedule, stages):
 
 
 def test_actions_that_are_not_a_schedule_of_the_plan_are_refused(plan):
-    from replica.pipeline.schedule import execution_order, plan_schedule
+    from replica.schedules.schedule import execution_order, plan_schedule
 
     short = dataclasses.replace(plan, actions=tuple(rank[:-1] for rank in plan.actions))
     with pytest.raises(replica.ScheduleError, match="the plan's actions are not a schedule of its 3 stages"):

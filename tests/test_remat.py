@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 import replica
-from replica.pipeline import remat
-from replica.pipeline.weightgrad import WeightGrads, collecting, linear
 from replica.layout import Layout
 from replica.partition.partitioner import MemoryModel
 from replica.partition.trace import trace
 from replica.planner import PlannerOptions, refine
 from replica.planner.pricing import Pricing
+from replica.stage import remat
+from replica.stage.weightgrad import WeightGrads, collecting, linear
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 
@@ -346,8 +346,9 @@ def test_a_rebuild_never_makes_a_stage_the_slowest(memory_bandwidth):
 
 
 def _peaks_and_step(pricing, plan):
-    from replica.pipeline.simulate import simulate, stage_costs_from_plan
-    from replica.pipeline.schedule import plan_schedule
+    from replica.planner.costs import stage_costs_from_plan
+    from replica.schedules.schedule import plan_schedule
+    from replica.schedules.simulate import simulate
 
     schedule = plan_schedule(plan)
     timeline = simulate(schedule, stage_costs_from_plan(plan, schedule, device=pricing.spec),
@@ -362,7 +363,7 @@ def test_graded_microbatches_pay_for_their_memory_out_of_their_gain(memory_bandw
     as the grading's gain allows: the step stays at least MIN_GAIN shorter than even sizes',
     no peak rises, and the slowest stage still rebuilds nothing. Free rebuilds come after,
     within the tie of the paid plan's step."""
-    from replica.pipeline.grading import MIN_GAIN
+    from replica.schedules.grading import MIN_GAIN
 
     model, inputs, _, _ = models.tiny_gpt(32, num_layers=4)
     device = dataclasses.replace(COMPUTE_BOUND, name="memory-test", memory_bandwidth=memory_bandwidth)

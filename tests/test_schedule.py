@@ -1,4 +1,4 @@
-"""Tests of schedules as data (``replica.pipeline.schedule``, its base ``actions`` and ``replay``, and
+"""Tests of schedules as data (``replica.schedules.schedule``, its base ``actions`` and ``replay``, and
 ``zerobubble``): golden grids, parsing, the dependency rule, validation."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import replica
-from replica.pipeline.actions import dependencies, dependents
-from replica.pipeline.replay import play
-from replica.pipeline.schedule import (
+from replica.schedules.actions import dependencies, dependents
+from replica.schedules.replay import play
+from replica.schedules.schedule import (
     INTERLEAVED,
     SCHEDULES,
     V_SHAPED,
@@ -288,19 +288,19 @@ def test_gpipe_and_one_f_one_b_are_valid(p, m, name):
 
 
 def test_zero_bubble_h1_golden_grid():
-    from replica.pipeline.schedule import zero_bubble_h1
+    from replica.schedules.schedule import zero_bubble_h1
 
     assert format_grid(zero_bubble_h1(3, 4), 3) == docstring_grid(zero_bubble_h1)
 
 
 def test_zero_bubble_v_golden_grid():
-    from replica.pipeline.schedule import zero_bubble_v
+    from replica.schedules.schedule import zero_bubble_v
 
     assert format_grid(zero_bubble_v(4, 4), 4) == docstring_grid(zero_bubble_v)
 
 
 def test_weight_actions_for_some_pairs_only_are_rejected():
-    from replica.pipeline.schedule import WEIGHT, zero_bubble_h1
+    from replica.schedules.schedule import WEIGHT, zero_bubble_h1
 
     schedule = [[a for a in actions if not (a.kind == WEIGHT and a.microbatch_index == 0)]
                 for actions in zero_bubble_h1(2, 2)]
@@ -314,7 +314,7 @@ def test_zero_ranks_is_an_error():
 
 
 def test_zero_bubble_interleaved_golden_grid():
-    from replica.pipeline.schedule import zero_bubble_interleaved
+    from replica.schedules.schedule import zero_bubble_interleaved
 
     assert format_grid(zero_bubble_interleaved(2, 4, 4), 4) == docstring_grid(zero_bubble_interleaved)
 

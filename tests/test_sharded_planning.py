@@ -12,11 +12,11 @@ from torch import nn
 import replica
 from replica.errors import ConfigError
 from replica.layout import Layout
+from replica.parallel.gradsync import BUCKET_BYTES
 from replica.partition.cost import ring_collective_time
 from replica.partition.partitioner import MemoryModel, weight_copy_bytes
 from replica.partition.plan import Plan
 from replica.partition.trace import trace
-from replica.pipeline.gradsync import BUCKET_BYTES
 from replica.planner import PlanRequest, make_plan
 from replica.planner.dataparallel import StageWeights, gathers_per_step, price_collectives
 from replica.planner.pricing import Pricing

@@ -1,4 +1,4 @@
-"""Tests of the schedule simulator (``replica.pipeline.simulate``) and its chrome-trace export
+"""Tests of the schedule simulator (``replica.schedules.simulate``) and its chrome-trace export
 (``replica.viz.chrome``): bubble formulas, communication, memory, traces, deadlocks, plans."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import replica
-from replica.pipeline.schedule import Action, format_grid, gpipe, make_schedule, one_f_one_b, placement
-from replica.pipeline.simulate import Event, StageCosts, Timeline, simulate, stage_costs_from_plan
+from replica.planner.costs import stage_costs_from_plan
+from replica.schedules.schedule import Action, format_grid, gpipe, make_schedule, one_f_one_b, placement
+from replica.schedules.simulate import Event, StageCosts, Timeline, simulate
 from replica.viz.chrome import measured_timeline, write_chrome_trace
 from tests import models
 from tests.conftest import COMPUTE_BOUND
@@ -312,7 +313,7 @@ def test_plan_costs_split_backward(gpt_plan):
     costs = stage_costs_from_plan(gpt_plan, make_schedule("zb-h1", 3, 8), device=COMPUTE_BOUND)
     assert [(c.backward_s + c.weight_s) * 8 for c in costs] == pytest.approx(
         [s.backward_time_s for s in gpt_plan.stages])
-    from replica.pipeline.schedule import WEIGHT_SHARE
+    from replica.schedules.schedule import WEIGHT_SHARE
 
     assert all(c.weight_s == pytest.approx(WEIGHT_SHARE * (c.backward_s + c.weight_s)) for c in costs)
 

@@ -20,8 +20,9 @@ import torch
 import replica
 from examples.gpt.model import GPT, GPTConfig, loss_fn
 from replica.partition.trace import trace
-from replica.pipeline.schedule import make_schedule
-from replica.pipeline.simulate import simulate, stage_costs_from_plan
+from replica.planner.costs import stage_costs_from_plan
+from replica.schedules.schedule import make_schedule
+from replica.schedules.simulate import simulate
 from replica.viz.chrome import measured_timeline
 from replica.viz.figures import figures, format_bytes, nice_ticks
 from replica.viz.modules import MAX_TOP_LEVEL_BOXES, OpInfo, ops_of, stage_boxes

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 import replica
 import replica.weights
+from replica.checkpoint import store as ckpt
 from replica.errors import ConfigError, ReplicaError
-from replica.train import checkpoint as ckpt
 from replica.weights import WeightsError, read_weights, wanted_from
 
 transformers = pytest.importorskip("transformers")

@@ -8,10 +8,11 @@ are recorded on the ops that use them, so a parameter read by two distant ops
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["TensorInfo", "Node", "ParameterInfo", "Graph"]
+__all__ = ["TensorInfo", "Node", "ParameterInfo", "Graph", "fingerprint"]
 
 # Node kinds.
 INPUT = "input"
@@ -168,3 +169,11 @@ class Graph:
     @property
     def parameter_bytes(self) -> int:
         return sum(p.nbytes for p in self.parameters.values() if not p.is_buffer)
+
+
+def fingerprint(graph: Graph) -> str:
+    """A hash of the ops, their wiring and shapes: a plan only applies to the graph it was made for."""
+    h = hashlib.sha256()
+    for n in graph:
+        h.update(f"{n.name}|{n.kind}|{n.target}|{','.join(n.inputs)}|{[t.shape for t in n.outputs]}\n".encode())
+    return h.hexdigest()[:16]

@@ -13,7 +13,6 @@ solved over those, and the plan reports the gap to a lower bound.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -23,11 +22,11 @@ import numpy as np
 from replica.errors import ConfigError, PartitionError
 from replica.layout import SHARDINGS, Layout, schedule_kind
 from replica.partition.cost import CostModel
-from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo
+from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo, fingerprint
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
 from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
 
-__all__ = ["MemoryModel", "partition", "fingerprint", "in_flight_microbatches", "weight_copy_bytes", "fsdp_unit",
+__all__ = ["MemoryModel", "partition", "in_flight_microbatches", "weight_copy_bytes", "fsdp_unit",
            "units_in_flight", "reshard", "MAX_EXACT_POSITIONS"]
 
 MAX_EXACT_POSITIONS = 1200
@@ -60,7 +59,7 @@ class MemoryModel:
 
     ``sharding`` ("zero3" / "zero2", :attr:`replica.layout.Layout.sharding`) shards weights,
     gradients and optimizer state over ``shards`` data-parallel replicas (torch's FSDP2, as
-    :mod:`replica.pipeline.sharding` runs it), each a ``1/shards`` slice; buffers stay whole.
+    :mod:`replica.parallel.fsdp` runs it), each a ``1/shards`` slice; buffers stay whole.
     FSDP gathers the weights in ``gather_dtype`` (its ``MixedPrecisionPolicy.param_dtype``:
     "bfloat16" under bf16 autocast; None: their own dtype), which autocast then reads without
     copying, so a sharded stage holds no autocast weight copies. What the step keeps gathered:
@@ -127,7 +126,7 @@ def weight_copy_bytes(graph: Graph, nodes: Sequence[Node]) -> int:
     return sum(TensorInfo(graph.parameters[p].shape, dtype).nbytes for p, dtype in copies)
 
 
-_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # as replica.pipeline.sharding groups leaves into units
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # as replica.parallel.fsdp groups leaves into units
 
 
 def fsdp_unit(name: str) -> str:
@@ -194,14 +193,6 @@ def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
             memory=MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer=optimizer,
                                    activations=activations)))
     return dataclasses.replace(plan, stages=tuple(stages))
-
-
-def fingerprint(graph: Graph) -> str:
-    """A hash of the ops, their wiring and shapes: a plan only applies to the graph it was made for."""
-    h = hashlib.sha256()
-    for n in graph:
-        h.update(f"{n.name}|{n.kind}|{n.target}|{','.join(n.inputs)}|{[t.shape for t in n.outputs]}\n".encode())
-    return h.hexdigest()[:16]
 
 
 def in_flight_microbatches(schedule: str, stage_index: int, num_stages: int, num_microbatches: int) -> int:

@@ -118,7 +118,7 @@ class Plan:
     # gradients: on only where one micro-batch's activations more fit the memory budget)
     early_input_grads: bool = True
     # stages that hold several micro-batches rebuild GELU / SiLU outputs in backward instead
-    # of keeping them (pipeline/remat.py): less memory, about 1-2% more time; opt-in
+    # of keeping them (stage/remat.py): less memory, about 1-2% more time; opt-in
     pointwise_recompute: bool = False
     # (stage, kind) pairs: the kinds of ops ("activation": GELU / SiLU, "norm": LayerNorm)
     # whose outputs a stage rebuilds anyway: to pay for graded micro-batches' memory, or
@@ -129,8 +129,12 @@ class Plan:
     dynamic_dims: tuple[tuple[int, ...], ...] = ()
     # each pipeline rank's actions in order ("2F0": stage 2's forward of micro-batch 0),
     # worked out once by the planner from the final plan: the runtimes, the simulator and
-    # the report all read these (replica.pipeline.schedule.plan_schedule); () to derive them
+    # the report all read these (replica.schedules.schedule.plan_schedule); () to derive them
     actions: tuple[tuple[str, ...], ...] = ()
+    # each action's predicted start (seconds into the step), aligned with ``actions``: the
+    # order in which ranks post their messages breaks ties by it (replica.runtime.p2p); ()
+    # in plans saved before it (any consistent order is then used)
+    action_starts: tuple[tuple[float, ...], ...] = ()
     # what the stages compute in (replica.precision): "fp32", the weights' own dtype, or
     # "bf16" / "fp16" autocast, priced at the device's half-precision rate and in autocast's
     # dtypes (plans saved before this field read as "fp32")
@@ -298,6 +302,7 @@ class Plan:
             data["rebuilds"] = tuple((int(k), str(kind)) for k, kind in data.get("rebuilds", ()))
             data["dynamic_dims"] = tuple(tuple(int(d) for d in dims) for dims in data.get("dynamic_dims", ()))
             data["actions"] = tuple(tuple(str(a) for a in actions) for actions in data.get("actions", ()))
+            data["action_starts"] = tuple(tuple(float(t) for t in starts) for starts in data.get("action_starts", ()))
             data["tensor_parallel"] = tuple(ShardedBlock.from_dict(b) for b in data.get("tensor_parallel", ()))
             if version == 1:  # the layout's figures stood at the top
                 ranks = data.pop("pipeline_ranks", 0) or data["num_stages"]

@@ -18,11 +18,11 @@ import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 
 from replica.errors import ConfigError
+from replica.partition.graph import fingerprint
+from replica.partition.holding import hold_tensor
 from replica.partition.modes import uses_rng
 from replica.partition.mutation import mutated_inputs
-from replica.partition.partitioner import fingerprint
 from replica.partition.plan import Plan
-from replica.partition.holding import hold_tensor
 from replica.partition.trace import Traced
 
 __all__ = ["StageModule", "split"]

@@ -16,16 +16,19 @@ import torch
 
 from replica.errors import ConfigError, PartitionError
 from replica.layout import SHARDINGS, Layout, schedule_kind
-from replica.partition.partitioner import MemoryModel, fingerprint
+from replica.partition.graph import fingerprint
+from replica.partition.partitioner import MemoryModel
 from replica.partition.plan import Plan
 from replica.partition.trace import Traced
-from replica.pipeline.schedule import plan_schedule
+from replica.planner.costs import stage_costs_from_plan
 from replica.planner.options import PlannerOptions
 from replica.planner.pricing import Pricing, default_microbatches
 from replica.planner.refine import finish
 from replica.planner.tensor_parallel import tensor_parallel_choices
 from replica.planner.tuner import tune
 from replica.precision import precision_name
+from replica.schedules.schedule import plan_schedule
+from replica.schedules.simulate import simulate
 
 __all__ = ["PlanRequest", "PlannerOptions", "make_plan", "check_count"]
 
@@ -247,10 +250,15 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
     if r.recompute == "pointwise" and not plan.recompute:
         plan = dataclasses.replace(plan, pointwise_recompute=True)
-    # the action lists, once, from the final plan: every rank, the simulator and the report read them
-    actions = tuple(tuple(str(a) for a in rank) for rank in plan_schedule(plan))
+    # the action lists, once, from the final plan: every rank, the simulator and the report read
+    # them; with each action's predicted start, by which the ranks order their messages
+    schedule = plan_schedule(plan)
+    costs = stage_costs_from_plan(plan, schedule, device=pricing.first_spec())
+    starts = {e.action: e.start_s for e in simulate(schedule, costs, sizes=plan.relative_microbatch_sizes).events}
+    actions = tuple(tuple(str(a) for a in rank) for rank in schedule)
+    action_starts = tuple(tuple(starts[a] for a in rank) for rank in schedule)
     # the traced graph's own fingerprint (a tensor-parallel plan is priced on a copy with cut shapes)
-    return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims, actions=actions,
+    return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims, actions=actions, action_starts=action_starts,
                                graph_fingerprint=fingerprint(traced.graph))
 
 

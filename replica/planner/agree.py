@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from replica.errors import ConfigError
-from replica.partition.partitioner import fingerprint
+from replica.partition.graph import fingerprint
 from replica.partition.plan import Plan
 from replica.partition.trace import Traced
 

@@ -1,8 +1,8 @@
 """What the data-parallel replicas cost a step: their collectives, priced and overlapped as the runtimes run them.
 
-Replicated stages (sharding "none", :mod:`replica.pipeline.gradsync`) all-reduce their
+Replicated stages (sharding "none", :mod:`replica.parallel.gradsync`) all-reduce their
 gradients once a step, in buckets of ``BUCKET_BYTES``, each started as soon as the stage's
-last backward of the step has made it. Sharded stages (FSDP2, :mod:`replica.pipeline.sharding`)
+last backward of the step has made it. Sharded stages (FSDP2, :mod:`replica.parallel.fsdp`)
 all-gather their weights whenever an action finds them resharded — zero3 reshards after every
 forward and after the step's last backward, zero2 only after the last backward; every other
 backward keeps them gathered — and reduce-scatter their gradients once, after the last backward.
@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from replica.layout import Layout
+from replica.parallel.gradsync import BUCKET_BYTES
 from replica.partition.cost import DeviceSpec, ring_collective_time
 from replica.partition.plan import Plan
-from replica.pipeline.actions import BACKWARD, FORWARD, WEIGHT, Action, placement
-from replica.pipeline.gradsync import BUCKET_BYTES
+from replica.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, placement
 
 __all__ = ["StageWeights", "Collectives", "gathers_per_step", "price_collectives", "with_collectives",
            "exposed_per_rank"]

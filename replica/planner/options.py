@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from replica.errors import ConfigError
-from replica.pipeline.grading import MIN_GAIN
+from replica.schedules.grading import MIN_GAIN
 
 __all__ = ["PlannerOptions"]
 

@@ -19,14 +19,14 @@ from replica.partition.plan import Plan
 from replica.partition.profile import profile
 from replica.partition.tensor_parallel import ShardedBlock, find_blocks
 from replica.partition.trace import Traced
-from replica.pipeline import microbatch
-from replica.pipeline.schedule import (Schedule, make_schedule, max_in_flight, placement, plan_schedule,
-                                       splits_backward)
-from replica.pipeline.simulate import simulate, stage_costs_from_plan
+from replica.planner.costs import stage_costs_from_plan
 from replica.planner.dataparallel import StageWeights, with_collectives
 from replica.planner.options import PlannerOptions
 from replica.planner.tensor_parallel import MEMORY_SHARE, blocks_for, sharded_costs, sharded_graph, together
 from replica.precision import autocast_dtype
+from replica.runtime import microbatch
+from replica.schedules.schedule import Schedule, make_schedule, max_in_flight, placement, plan_schedule, splits_backward
+from replica.schedules.simulate import simulate
 
 __all__ = ["Pricing", "default_microbatches"]
 

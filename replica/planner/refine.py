@@ -7,11 +7,12 @@ from typing import Callable
 
 from replica.partition.partitioner import saves_activation
 from replica.partition.plan import Plan
-from replica.pipeline.grading import grade
-from replica.pipeline.remat import REBUILT_OPS
-from replica.pipeline.schedule import Schedule, placement, plan_schedule
-from replica.pipeline.simulate import StageCosts, simulate, stage_costs_from_plan
+from replica.planner.costs import stage_costs_from_plan
 from replica.planner.pricing import Pricing
+from replica.schedules.grading import grade
+from replica.schedules.schedule import Schedule, placement, plan_schedule
+from replica.schedules.simulate import StageCosts, simulate
+from replica.stage.remat import REBUILT_OPS
 
 __all__ = ["finish", "rebuilds", "pay_for_grading", "graded_plan"]
 
@@ -33,7 +34,7 @@ def finish(pricing: Pricing, plan: Plan, batch_fraction: float = 1.0, graded: bo
 
 def rebuilds(pricing: Pricing, plan: Plan, batch_fraction: float = 1.0) -> Plan:
     """``plan`` with ``rebuilds``: the (stage, kind) pairs whose op outputs (GELU / SiLU,
-    LayerNorm) are rebuilt in backward (:mod:`replica.pipeline.remat`) instead of kept,
+    LayerNorm) are rebuilt in backward (:mod:`replica.stage.remat`) instead of kept,
     where the rebuild fills time the stage would spend waiting for a slower one: a pair
     is taken if its stage, rebuild added, stays no slower than the plan's slowest stage
     and the simulated step within ``PlannerOptions.tie`` of the plan's (predictions that close are a

@@ -22,10 +22,17 @@ from replica.errors import PartitionError, ScheduleError
 from replica.layout import TUNED_SCHEDULES, Layout, schedule_kind
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
-from replica.pipeline.schedule import (WEIGHT_SHARE, Schedule, durations_of, make_schedule, max_in_flight,
-                                       stage_scale_of)
-from replica.pipeline.simulate import StageCosts, simulate
+from replica.planner.costs import rank_memory, stage_costs_from_plan
 from replica.planner.options import PlannerOptions
+from replica.schedules.schedule import (
+    WEIGHT_SHARE,
+    Schedule,
+    durations_of,
+    make_schedule,
+    max_in_flight,
+    stage_scale_of,
+)
+from replica.schedules.simulate import simulate
 
 __all__ = ["Candidate", "tune", "lower_bound"]
 
@@ -164,30 +171,9 @@ def _evaluate(plan: Plan, layout: Layout, device: DeviceSpec, budget: float, lay
     except ScheduleError:
         return None
     plan, waits = lay_out(plan, layout, schedule)
-    flights = max_in_flight(schedule, plan.num_stages)
-    where = {a.stage_index: r for r, actions in enumerate(schedule) for a in actions}
-    split = any(a.kind == "W" for actions in schedule for a in actions)
-    costs = []
-    memory = [0.0] * ranks
-    for s in plan.stages:
-        k = s.stage_index
-        forward, backward = s.forward_time_s / m, s.backward_time_s / m  # one micro-batch's
-        remote = k + 1 < plan.num_stages and where[k + 1] != where[k]
-        sends = sum(b.nbytes for b in s.outputs) / m
-        static = s.memory.parameters + s.memory.gradients + s.memory.optimizer
-        costs.append(StageCosts(
-            forward_s=forward,
-            backward_s=backward * (1 - WEIGHT_SHARE) if split else backward,
-            weight_s=backward * WEIGHT_SHARE if split else 0.0,
-            send_s=(sends / device.link_bandwidth + device.link_latency_s) if remote else 0.0,
-            activation_bytes=int(s.activation_bytes / m),
-            static_bytes=static,
-            input_grad_share=1 - WEIGHT_SHARE if plan.early_input_grads and not split else 1.0,
-        ))
-        held = 1 if plan.recompute else flights[k]
-        memory[where[k]] += static + s.activation_bytes / m * held + sum(b.nbytes for b in s.inputs)
+    costs = stage_costs_from_plan(plan, schedule, device=device)
+    peak = int(max(rank_memory(costs, schedule)))
     timeline = simulate(schedule, costs, allreduce_s=waits)
-    peak = int(max(memory))
     return Candidate(layout, m, timeline.step_time_s, peak, peak <= budget, plan.recompute, timeline.bubble_fraction)
 
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from replica.errors import ConfigError
-from replica.pipeline.sharding import full_tensor, shard_like
+from replica.parallel.fsdp import full_tensor, shard_like
 
 __all__ = ["rebuild_optimizer", "make_optimizer", "state_by_name", "load_state_by_name"]
 

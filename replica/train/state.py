@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from replica.api import PipelineModel
+from replica.checkpoint import store as ckpt
 from replica.errors import ReplicaError
-from replica.pipeline.sharding import shard_like
-from replica.train import checkpoint as ckpt
+from replica.parallel.fsdp import shard_like
 from replica.train.optim import load_state_by_name, state_by_name
 from replica.train.rng import rng_state, set_rng_state
 

@@ -33,11 +33,11 @@ from torch.utils._pytree import tree_map
 
 from replica.amp import GradScaler
 from replica.api import PipelineModel, auto_parallel
+from replica.checkpoint import store as ckpt
 from replica.defaults import TrainerConfig, default_config
 from replica.errors import ConfigError
 from replica.meta import stage_device
-from replica.pipeline import heap, microbatch
-from replica.train import checkpoint as ckpt
+from replica.runtime import heap, microbatch
 from replica.train.data import Batch, DataSource, Inputs, LoaderSource, make_source, num_samples_in, pad
 from replica.train.metrics import batch_sums, metric_names
 from replica.train.optim import OptimizerFactory, make_optimizer
@@ -78,7 +78,7 @@ class Trainer:
                  optimizer: torch.optim.Optimizer | OptimizerFactory, *, keep_freed_memory: bool = False,
                  init: Init | None = None, weights: str | os.PathLike[str] | None = None) -> None:
         self.config = config
-        if keep_freed_memory:  # asked for: process-wide, for the rest of the process (pipeline/heap.py)
+        if keep_freed_memory:  # asked for: process-wide, for the rest of the process (runtime/heap.py)
             heap.keep_freed_memory()
         self._on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         if config.device is not None and not self._on_meta:  # a meta model's stages land where auto_parallel puts them

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Iterable, Sequence, Union
 
 from replica.errors import ConfigError
-from replica.pipeline.schedule import Action
-from replica.pipeline.simulate import Event, StageCosts, Timeline
+from replica.schedules.schedule import Action
+from replica.schedules.simulate import Event, StageCosts, Timeline
 
 __all__ = ["write_chrome_trace", "measured_timeline"]
 

@@ -9,9 +9,10 @@ from typing import Any, Mapping, Sequence
 
 from replica.errors import ConfigError
 from replica.partition.plan import Plan
-from replica.pipeline.actions import FORWARD, Action, placement
-from replica.pipeline.schedule import plan_schedule
-from replica.pipeline.simulate import Timeline, simulate, stage_costs_from_plan
+from replica.planner.costs import stage_costs_from_plan
+from replica.schedules.actions import FORWARD, Action, placement
+from replica.schedules.schedule import plan_schedule
+from replica.schedules.simulate import Timeline, simulate
 
 __all__ = ["StageTimes", "Figures", "figures", "stage_colour", "KIND_COLOURS", "MEMORY_COLOURS",
            "format_bytes", "format_seconds", "format_share", "nice_ticks", "shade"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import Callable, Sequence
 
-from replica.pipeline.simulate import Timeline
+from replica.schedules.simulate import Timeline
 from replica.viz.figures import (
     KIND_COLOURS,
     MEMORY_COLOURS,

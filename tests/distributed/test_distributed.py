@@ -20,7 +20,7 @@ import torch
 
 import replica
 from replica.launch import run_local
-from replica.pipeline import weightgrad
+from replica.stage import weightgrad
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 
@@ -435,7 +435,8 @@ def test_pure_data_parallel(pure_data_parallel):
 def bucket_job(rank: int, world: int) -> dict[str, Any]:
     """The reducer on its own: tiny buckets; some start during backward, all average right."""
     import torch.distributed as dist
-    from replica.pipeline.gradsync import ReplicaReducer
+
+    from replica.parallel.gradsync import ReplicaReducer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])

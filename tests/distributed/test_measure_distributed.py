@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import copy
 import pickle
+
 import pytest
 import torch
 
 import replica
 from replica.launch import run_local
-from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, placement
+from replica.schedules.schedule import BACKWARD, FORWARD, WEIGHT, placement
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 from tests.distributed.test_distributed import hung_rank_job

@@ -220,7 +220,7 @@ def _meta_trainer_resumes(directory: str) -> dict:
     """The small CNN on meta through get_trainer on 2 ranks: uninterrupted; dies after step 3;
     then a fresh meta model resumes from step 2. Each rank checksums a share of the checkpoint,
     materializes only its stages, from the checkpoint, and ends as the uninterrupted run."""
-    from replica.train import checkpoint as ckpt
+    from replica.checkpoint import store as ckpt
     from replica.train import trainer as trainer_module
     from tests.test_meta_models import meta_trainer
     from tests.train_cases import small_cnn
@@ -275,7 +275,7 @@ def four_rank_job(rank: int, world: int) -> bytes:
 
 def test_llama_unet_and_a_resumed_meta_trainer_on_two_ranks(tmp_path) -> None:
     pytest.importorskip("transformers")
-    from replica.train import checkpoint as ckpt
+    from replica.checkpoint import store as ckpt
 
     results = [pickle.loads(r) for r in run_local(two_rank_job, 2, str(tmp_path), timeout_s=RUN_TIMEOUT_S * 2)]
     _check_holdings([r["llama"] for r in results], 2, 1)

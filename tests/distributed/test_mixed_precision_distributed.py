@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import replica
-from replica.pipeline import microbatch
+from replica.runtime import microbatch
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 from tests.distributed.test_distributed import STEP_TIMEOUT_S, _portable, _run

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import replica
-from replica.pipeline.sharding import local_tensor
+from replica.parallel.fsdp import local_tensor
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 from tests.distributed.test_distributed import STEP_TIMEOUT_S, _portable, _run
@@ -165,7 +165,7 @@ def test_a_sharded_trainer_checkpoints_whole_tensors_and_resumes(tmp_path) -> No
 def test_a_block_whose_output_is_written_in_place_joins_the_root_unit() -> None:
     import torch.fx as fx
 
-    from replica.pipeline.sharding import block_groups
+    from replica.parallel.fsdp import block_groups
 
     class Block(torch.nn.Module):
         def __init__(self, inplace: bool) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import replica
-from replica.pipeline.sharding import local_tensor
+from replica.parallel.fsdp import local_tensor
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 from tests.distributed.test_distributed import STEP_TIMEOUT_S, _portable, _run

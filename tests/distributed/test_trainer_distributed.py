@@ -14,10 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from replica.checkpoint.store import load_into_plain_model
 from replica.launch import run_local
-from replica.train.checkpoint import load_into_plain_model
-from tests.train_cases import (ACROSS_LAYOUTS, DATA, EPOCHS, assert_same_weights, images, make_trainer, run, small_cnn,
-                               weights)
+from tests.train_cases import (
+    ACROSS_LAYOUTS,
+    DATA,
+    EPOCHS,
+    assert_same_weights,
+    images,
+    make_trainer,
+    run,
+    small_cnn,
+    weights,
+)
 
 pytestmark = pytest.mark.distributed
 

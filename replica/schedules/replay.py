@@ -1,10 +1,10 @@
 """Playing per-rank action lists in time under the dependency rule: the core of the simulator.
 
 Each rank runs its actions strictly in list order; an action starts when its rank is
-free and every action it depends on (:func:`replica.pipeline.actions.dependencies`) has
+free and every action it depends on (:func:`replica.schedules.actions.dependencies`) has
 arrived, which by default is when that action ended. With unit durations the starts are
 the ticks of the grids drawn in the schedule docstrings; with seconds per action and
-transfer delays it is :func:`replica.pipeline.simulate.simulate`.
+transfer delays it is :func:`replica.schedules.simulate.simulate`.
 
 Every action is looked at a bounded number of times (once per missing dependency, at
 most two, plus once to run), so :func:`play` is O(total actions). Nothing here imports
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from replica.errors import ScheduleError
-from replica.pipeline.actions import Action, dependencies
+from replica.schedules.actions import Action, dependencies
 
 __all__ = ["Event", "play"]
 

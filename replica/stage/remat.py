@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from replica.errors import ConfigError
-from replica.pipeline.rewrite import rewrite_calls
+from replica.stage.rewrite import rewrite_calls
 
 __all__ = ["pointwise_recompute", "rebuildable", "materialize", "layer_norm", "rebuildable_norms", "KINDS",
            "REBUILT_OPS"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from replica.errors import ScheduleError
-from replica.pipeline.schedule import BACKWARD, FORWARD, Action, placement
+from replica.schedules.schedule import BACKWARD, FORWARD, Action, placement
 
 __all__ = ["Message", "step_messages", "linearize", "ordered", "check_fifo"]
 

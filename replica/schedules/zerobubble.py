@@ -12,9 +12,18 @@ import heapq
 from typing import Sequence
 
 from replica.errors import ScheduleError
-from replica.pipeline.actions import (BACKWARD, FORWARD, WEIGHT, Action, Schedule, check_looped, check_sizes,
-                                      dependencies, dependents)
-from replica.pipeline.replay import play
+from replica.schedules.actions import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    Action,
+    Schedule,
+    check_looped,
+    check_sizes,
+    dependencies,
+    dependents,
+)
+from replica.schedules.replay import play
 
 __all__ = ["list_schedule", "zero_bubble_h1", "zero_bubble_v", "zero_bubble_interleaved"]
 
@@ -36,7 +45,7 @@ def list_schedule(
     hold activations there), else a deferred W (which also frees activations); with
     nothing ready it waits for the next action anywhere to finish. ``durations`` are the
     relative times of F, B and W (unit ticks by default). ``stage_ranks[s]`` places stage
-    s; readiness is :func:`~replica.pipeline.actions.dependencies`. Pure and deterministic;
+    s; readiness is :func:`~replica.schedules.actions.dependencies`. Pure and deterministic;
     O(A log A) for A actions, times the stages of a rank for the F it picks.
     """
     num_stages = len(stage_ranks)

@@ -30,8 +30,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from replica.errors import ConfigError
+from replica.parallel.fsdp import drop_dtype_asserts
 from replica.partition.tensor_parallel import ShardedBlock
-from replica.pipeline.sharding import drop_dtype_asserts
 
 __all__ = ["shard_stage_tensors", "tensor_parallel_groups", "match_grad_placements", "split"]
 

@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map, tree_unflatten
 
 from replica.errors import PipelineError
-from replica.pipeline.sharding import drop_dtype_asserts
+from replica.parallel.fsdp import drop_dtype_asserts
 from replica.precision import ambient_autocast
 
 __all__ = ["TensorMeta", "ShapeOracle"]
@@ -80,7 +80,7 @@ def _fake_copy(gm: fx.GraphModule, device: torch.device,
             memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
     fake = copy.deepcopy(gm, memo)
     if param_dtype is not None:
-        drop_dtype_asserts(fake)  # as the sharded stages do (pipeline/sharding.py)
+        drop_dtype_asserts(fake)  # as the sharded stages do (parallel/fsdp.py)
     here = lambda v: device if isinstance(v, torch.device) and v.type == "meta" else v  # noqa: E731
     for n in fake.graph.nodes:  # the meta copy names meta where the graph named a device: this rank's
         n.args = tree_map(here, n.args)

@@ -1,9 +1,9 @@
 """Pipeline schedules as data: pure functions of integers returning per-rank action lists.
 
-``schedule[rank]`` is the ordered list of :class:`~replica.pipeline.actions.Action` that
+``schedule[rank]`` is the ordered list of :class:`~replica.schedules.actions.Action` that
 rank runs (``2F0``: stage 2, forward, micro-batch 0; ``B`` a backward, ``W`` a deferred
 weight gradient). This module holds the 1F1B family, the zero-bubble ones
-(:mod:`replica.pipeline.zerobubble`) by name, the one a plan runs (:func:`plan_schedule`),
+(:mod:`replica.schedules.zerobubble`) by name, the one a plan runs (:func:`plan_schedule`),
 and what is read off a schedule: validation, in-flight micro-batches, a serial order, the
 drawn grid. The runtimes, the simulator and
 the visualizer all read these lists; nothing here imports torch.
@@ -15,10 +15,20 @@ from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from replica.errors import ScheduleError
 from replica.layout import schedule_kind, schedule_names
-from replica.pipeline.actions import (BACKWARD, FORWARD, KINDS, WEIGHT, Action, Schedule, check_looped,
-                                      check_sizes, placement, splits_backward)
-from replica.pipeline.replay import play
-from replica.pipeline.zerobubble import list_schedule, zero_bubble_h1, zero_bubble_interleaved, zero_bubble_v
+from replica.schedules.actions import (
+    BACKWARD,
+    FORWARD,
+    KINDS,
+    WEIGHT,
+    Action,
+    Schedule,
+    check_looped,
+    check_sizes,
+    placement,
+    splits_backward,
+)
+from replica.schedules.replay import play
+from replica.schedules.zerobubble import list_schedule, zero_bubble_h1, zero_bubble_interleaved, zero_bubble_v
 
 if TYPE_CHECKING:
     from replica.partition.plan import Plan

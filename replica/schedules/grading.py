@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from replica.pipeline import microbatch
-from replica.pipeline.actions import Action
-from replica.pipeline.simulate import StageCosts, simulate
+from replica.errors import ConfigError
+from replica.schedules.actions import Action
+from replica.schedules.simulate import StageCosts, simulate
 
-__all__ = ["grade"]
+__all__ = ["grade", "sizes"]
 
 MAX_GROWTH = 1.25  # the largest micro-batch holds at most this many times the even size (memory)
 MIN_SHRINK = 0.5  # the smallest at least this share of it: per-call costs the profile underrates
@@ -28,6 +28,26 @@ MIN_GAIN = 0.01  # graded sizes must beat even ones by this fraction of the step
 MAX_ACTIONS = 4096  # larger schedules keep even micro-batches (the search simulates many times)
 MAX_SIMULATIONS = 1500
 MAX_WORK = 300_000  # simulated actions in all: big schedules try fewer sizes (about a second)
+
+
+def sizes(n: int, num_microbatches: int, shares: Sequence[float] = ()) -> list[int]:
+    """Samples per micro-batch for a batch of ``n``: even (differing by at most one), or in
+    proportion to ``shares`` (largest remainders), every micro-batch at least one sample."""
+    m = num_microbatches
+    if not shares:
+        return [n // m + (1 if i < n % m else 0) for i in range(m)]
+    if len(shares) != m or min(shares) <= 0:
+        raise ConfigError(f"micro-batch shares {list(shares)} must be {m} positive numbers")
+    total = float(sum(shares))
+    exact = [n * s / total for s in shares]
+    out = [max(1, int(e)) for e in exact]
+    while sum(out) < n:  # hand out what rounding down kept back, largest remainder first
+        i = max(range(m), key=lambda j: exact[j] - out[j])
+        out[i] += 1
+    while sum(out) > n:  # the at-least-one rule overshot: take from the largest
+        i = max(range(m), key=lambda j: (out[j] - exact[j], out[j]))
+        out[i] -= 1
+    return out
 
 
 def grade(schedule: Sequence[Sequence[Action]], costs: Sequence[StageCosts], batch: int,
@@ -44,7 +64,7 @@ def grade(schedule: Sequence[Sequence[Action]], costs: Sequence[StageCosts], bat
     first, then single samples. No micro-batch grows past ``MAX_GROWTH`` times the even
     size or shrinks below ``MIN_SHRINK`` of it (or one sample)."""
     m = num_microbatches
-    even = microbatch.sizes(batch, m)
+    even = sizes(batch, m)
 
     def step(sizes: Sequence[int]) -> float:
         """The simulated step; infinite where a rank's simulated peak memory (its stages'
@@ -97,9 +117,9 @@ def grade(schedule: Sequence[Sequence[Action]], costs: Sequence[StageCosts], bat
                 budget[0] -= 1
     best, best_s = list(even), base
     for seed, t_seed in sorted(seeds.items(), key=lambda kv: kv[1])[:3]:
-        sizes, t_sizes = improve(list(seed), t_seed)
-        if t_sizes < best_s:
-            best, best_s = sizes, t_sizes
+        got, t_got = improve(list(seed), t_seed)
+        if t_got < best_s:
+            best, best_s = got, t_got
     if best_s > base * (1 - min_gain):
         return tuple(even), base, base
     return tuple(best), best_s, base

@@ -1,7 +1,7 @@
 """Playing per-rank action lists against per-stage costs: the timeline a schedule would produce.
 
-:func:`replica.pipeline.replay.play` runs each rank's actions in list order under the
-dependency rule (:func:`replica.pipeline.actions.dependencies`); here each action takes
+:func:`replica.schedules.replay.play` runs each rank's actions in list order under the
+dependency rule (:func:`replica.schedules.actions.dependencies`); here each action takes
 its stage's seconds, and a dependency on another rank arrives a transfer later::
 
     F(s, i)  after  F(s-1, i) + send(s-1)          (send only across ranks)
@@ -13,25 +13,20 @@ before a whole backward's weight gradients): there B(s, i) waits only for the fi
 ``input_grad_share`` of B(s+1, i).
 
 Transfers overlap compute and never contend for a link. :func:`simulate` is O(total
-actions), plus one sort of the events. Nothing here imports torch;
-:func:`stage_costs_from_plan` reaches into the partitioner (which does) when called.
+actions), plus one sort of the events. Nothing here imports torch; a plan's stages are
+priced into :class:`StageCosts` by :func:`replica.planner.costs.stage_costs_from_plan`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
-from replica.errors import ConfigError, ScheduleError
-from replica.pipeline.actions import BACKWARD, FORWARD, WEIGHT, Action, placement, splits_backward
-from replica.pipeline.replay import Event, play
-from replica.pipeline.schedule import WEIGHT_SHARE, make_schedule, max_in_flight
+from replica.errors import ConfigError
+from replica.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, placement
+from replica.schedules.replay import Event, play
 
-if TYPE_CHECKING:
-    from replica.partition.cost import DeviceSpec
-    from replica.partition.plan import Plan
-
-__all__ = ["StageCosts", "Event", "Timeline", "simulate", "stage_costs_from_plan"]
+__all__ = ["StageCosts", "Event", "Timeline", "simulate"]
 
 _KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight"}
 
@@ -228,70 +223,3 @@ def simulate(
     ends = [free[r] + (allreduce_s[r] if allreduce_s else 0.0) for r in range(num_ranks)]
     return Timeline.from_events(events, num_ranks=num_ranks, costs=costs, step_time_s=max(ends, default=0.0),
                                 sizes=sizes)
-
-
-def stage_costs_from_plan(
-    plan: "Plan", schedule: Sequence[Sequence[Action]], *, device: "DeviceSpec | None" = None
-) -> list[StageCosts]:
-    """Per-micro-batch costs of ``plan``'s stages under ``schedule``: the plan's whole-step
-    times over ``num_microbatches``; the backward split evenly into B and W where the
-    schedule has W actions; each stage's outputs (one micro-batch's share) sent over
-    ``device``'s link (default: the stage's, else the plan's device, by preset name) where
-    the next stage is on another rank; activations per micro-batch from the plan's memory
-    over the micro-batches the plan assumed in flight on that stage."""
-    where = placement(schedule)
-    if sorted(where) != list(range(plan.num_stages)):
-        raise ConfigError(
-            f"the schedule runs stages {sorted(where)} but the plan has {plan.num_stages}; make the schedule "
-            f"with make_schedule(name, {plan.num_stages}, {plan.num_microbatches})"
-        )
-    m = plan.num_microbatches
-    split = splits_backward(schedule)
-    held = _plan_in_flight(plan, num_ranks=len(schedule))
-    costs = []
-    for stage in plan.stages:
-        k = stage.stage_index
-        backward = stage.backward_time_s / m
-        send = 0.0
-        if k + 1 in where and where[k + 1] != where[k]:
-            link = device or _device(getattr(stage, "device", "") or plan.device)
-            send = sum(b.nbytes for b in stage.outputs) / m / link.link_bandwidth + link.link_latency_s
-        memory = stage.memory
-        forward, share = stage.forward_time_s / m, 1 - WEIGHT_SHARE if split else 1.0
-        costs.append(StageCosts(
-            forward_s=forward,
-            backward_s=backward * share,
-            weight_s=backward * WEIGHT_SHARE if split else 0.0,
-            send_s=send,
-            activation_bytes=memory.activations // held[k] if held[k] else 0,
-            static_bytes=memory.parameters + memory.gradients + memory.optimizer,
-            forward_fixed_s=min(stage.fixed_forward_s, forward),
-            backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
-            input_grad_share=1 - WEIGHT_SHARE if plan.early_input_grads and not split else 1.0,
-        ))
-    return costs
-
-
-def _plan_in_flight(plan: "Plan", *, num_ranks: int) -> list[int]:
-    """Per stage, the micro-batches whose activations the plan priced: those its own schedule
-    holds at once (on ``num_ranks`` ranks where that schedule allows it)."""
-    from replica.partition.partitioner import in_flight_microbatches  # imports torch; only here
-
-    try:
-        own = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_ranks)
-    except ScheduleError:
-        return [in_flight_microbatches(plan.schedule, k, plan.num_stages, plan.num_microbatches)
-                for k in range(plan.num_stages)]
-    return max_in_flight(own, plan.num_stages)
-
-
-def _device(name: str) -> "DeviceSpec":
-    from replica.partition.cost import device_spec  # imports torch; only here
-
-    try:
-        return device_spec(name)
-    except ConfigError as exc:
-        raise ConfigError(
-            f"the plan was made for device {name!r}, which is not a preset; pass "
-            f"stage_costs_from_plan(plan, schedule, device=<the DeviceSpec it was planned with>)"
-        ) from exc

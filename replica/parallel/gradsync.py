@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from replica.pipeline.sharding import local_tensor
+from replica.parallel.fsdp import local_tensor
 
 __all__ = ["ReplicaReducer", "BUCKET_BYTES"]
 

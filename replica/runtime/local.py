@@ -1,6 +1,6 @@
 """Run every stage of a pipeline in this process: the reference runtime.
 
-The :class:`~replica.pipeline.executor.Executor` runs the schedule's actions in one
+The :class:`~replica.runtime.executor.Executor` runs the schedule's actions in one
 deadlock-free serial order; values crossing a cut are detached into fresh leaves exactly as
 they would be on the wire, so a stage's backward sees only its own graph and hands input
 gradients to the stages that produced them (long skips go straight to their producer).
@@ -13,10 +13,10 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from replica.partition.split import StageModule
-from replica.pipeline.clock import timing
-from replica.pipeline.executor import Executor, LossFn, Step, StepResult
-from replica.pipeline.schedule import FORWARD, Action, Schedule, placement
-from replica.pipeline.simulate import Event, Timeline
+from replica.runtime.clock import timing
+from replica.runtime.executor import Executor, LossFn, Step, StepResult
+from replica.schedules.schedule import FORWARD, Action, Schedule, placement
+from replica.schedules.simulate import Event, Timeline
 
 __all__ = ["LocalRuntime", "LossFn", "StepResult"]
 

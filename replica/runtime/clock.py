@@ -16,7 +16,7 @@ import contextlib
 import time
 from typing import Any, Iterator
 
-from replica.pipeline.actions import Action
+from replica.schedules.actions import Action
 
 __all__ = ["StepClock", "NO_CLOCK", "timing"]
 

@@ -8,6 +8,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from replica.errors import ConfigError
+from replica.schedules.grading import sizes
 
 __all__ = ["batch_size", "sizes", "split", "loss_weights", "merge"]
 
@@ -23,26 +24,6 @@ def batch_size(values: Sequence[Any], what: str = "inputs") -> int:
             "same dim 0."
         )
     return sizes.pop()
-
-
-def sizes(n: int, num_microbatches: int, shares: Sequence[float] = ()) -> list[int]:
-    """Samples per micro-batch for a batch of ``n``: even (differing by at most one), or in
-    proportion to ``shares`` (largest remainders), every micro-batch at least one sample."""
-    m = num_microbatches
-    if not shares:
-        return [n // m + (1 if i < n % m else 0) for i in range(m)]
-    if len(shares) != m or min(shares) <= 0:
-        raise ConfigError(f"micro-batch shares {list(shares)} must be {m} positive numbers")
-    total = float(sum(shares))
-    exact = [n * s / total for s in shares]
-    out = [max(1, int(e)) for e in exact]
-    while sum(out) < n:  # hand out what rounding down kept back, largest remainder first
-        i = max(range(m), key=lambda j: exact[j] - out[j])
-        out[i] += 1
-    while sum(out) > n:  # the at-least-one rule overshot: take from the largest
-        i = max(range(m), key=lambda j: (out[j] - exact[j], out[j]))
-        out[i] -= 1
-    return out
 
 
 def split(values: Sequence[Any], num_microbatches: int, what: str = "inputs",

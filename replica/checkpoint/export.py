@@ -11,9 +11,17 @@ from typing import Any
 
 import torch
 
+from replica.checkpoint.store import (
+    MANIFEST,
+    CheckpointError,
+    _fsync_dir,
+    _write,
+    checkpoints,
+    load_model_state,
+    read_manifest,
+    resolve,
+)
 from replica.errors import ConfigError
-from replica.train.checkpoint import (MANIFEST, CheckpointError, _fsync_dir, _write, checkpoints, load_model_state,
-                                      read_manifest, resolve)
 from replica.weights import write_safetensors
 
 __all__ = ["export_safetensors"]

@@ -28,19 +28,29 @@ import torch
 import torch.utils.checkpoint
 
 from replica.errors import PipelineError
+from replica.parallel.fsdp import set_last_backward
 from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
-from replica.pipeline.batchnorm import recompute_context
-from replica.pipeline.clock import NO_CLOCK, StepClock
-from replica.pipeline.mailbox import Mailbox
-from replica.pipeline.p2p import BWD, FWD
-from replica.pipeline.remat import KINDS, pointwise_recompute
-from replica.pipeline.schedule import (BACKWARD, FORWARD, WEIGHT, Action, Schedule, execution_order,
-                                       fused_weight_grads, max_in_flight, placement, splits_backward)
-from replica.pipeline.shapes import TensorMeta
-from replica.pipeline.sharding import set_last_backward
-from replica.pipeline.weightgrad import WeightGrads, collecting
 from replica.precision import autocast_for
+from replica.runtime.clock import NO_CLOCK, StepClock
+from replica.runtime.mailbox import Mailbox
+from replica.runtime.p2p import BWD, FWD
+from replica.runtime.shapes import TensorMeta
+from replica.schedules.schedule import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    Action,
+    Schedule,
+    execution_order,
+    fused_weight_grads,
+    max_in_flight,
+    placement,
+    splits_backward,
+)
+from replica.stage.batchnorm import recompute_context
+from replica.stage.remat import KINDS, pointwise_recompute
+from replica.stage.weightgrad import WeightGrads, collecting
 
 __all__ = ["Executor", "StepResult", "RandomStreams", "LossFn", "run_stage", "weighted_loss", "sending_input_grads"]
 
@@ -163,7 +173,7 @@ class Executor:
                  early_input_grads: bool = False, replica: int = 0, precision: str = "fp32",
                  sharded: bool = False) -> None:
         self.precision = precision
-        self.sharded = sharded  # stage modules under FSDP2: see pipeline/sharding.py
+        self.sharded = sharded  # stage modules under FSDP2: see parallel/fsdp.py
         self.place = placement(schedule)
         self.stages = {s.stage_index: s for s in stages if self.place[s.stage_index] in ranks}
         self.actions: list[Action] = (list(schedule[next(iter(ranks))]) if len(ranks) == 1
@@ -180,7 +190,7 @@ class Executor:
         # to another process still runs in two parts, inside its own action: input gradients,
         # sent at once, then the weight gradients while the upstream rank already works.
         self.early = self.sends_back if early_input_grads and not self.split_backward else set()
-        # stage -> the kinds of ops whose outputs it rebuilds in backward (pipeline/remat.py):
+        # stage -> the kinds of ops whose outputs it rebuilds in backward (stage/remat.py):
         # with pointwise every kind on the stages that hold several micro-batches at once and
         # those that hold a backward's layer inputs and output gradients until the input
         # gradients have left (early); else the plan's rebuilds (replica.planner.refine.finish)

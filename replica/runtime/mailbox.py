@@ -1,6 +1,6 @@
 """One rank's point-to-point messages of one pipeline step: posting, sending, receiving.
 
-The messages and their order come from :mod:`replica.pipeline.p2p`. Each pair posts them
+The messages and their order come from :mod:`replica.runtime.p2p`. Each pair posts them
 in that agreed order (NCCL matches the ops between two ranks by order, not tag), every
 tag 0: a receive as soon as the order allows, a send as soon as its value exists. A rank
 blocks only on the receive its next action reads, with the runtime's timeout. (Posting
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from replica.errors import PipelineError
-from replica.pipeline.p2p import BWD, FWD, Message
-from replica.pipeline.shapes import TensorMeta
+from replica.runtime.p2p import BWD, FWD, Message
+from replica.runtime.shapes import TensorMeta
 
 __all__ = ["Mailbox", "greet_peers", "digest"]
 

@@ -20,9 +20,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from replica.pipeline import remat
-from replica.pipeline.rewrite import rewrite_calls
 from replica.precision import ambient_autocast
+from replica.stage import remat
+from replica.stage.rewrite import rewrite_calls
 
 __all__ = ["WeightGrads", "defer_linear_weight_grads", "collecting"]
 

@@ -2,8 +2,8 @@
 ``torch.distributed`` point-to-point ops (gloo on CPU, NCCL on GPU).
 
 Every message of a step is known before the step starts (the plan says what
-crosses each cut, the shape oracle says its shape); ``pipeline/p2p.py`` fixes the
-order both ends of each pair post them in, and a ``Mailbox`` (``pipeline/mailbox.py``)
+crosses each cut, the shape oracle says its shape); ``runtime/p2p.py`` fixes the
+order both ends of each pair post them in, and a ``Mailbox`` (``runtime/mailbox.py``)
 posts one step's share of this rank.
 """
 
@@ -17,25 +17,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from replica.errors import PipelineError, ReplicaError
+from replica.errors import PipelineError
 from replica.layout import Layout
+from replica.parallel.fsdp import local_tensor, shard_stage
+from replica.parallel.gradsync import ReplicaReducer
+from replica.parallel.tensor_parallel import match_grad_placements
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
-from replica.pipeline import p2p
-from replica.pipeline.clock import timing
-from replica.pipeline.executor import Executor, LossFn, Step, StepResult
-from replica.pipeline.gradsync import ReplicaReducer
-from replica.pipeline.mailbox import Mailbox, greet_peers
-from replica.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from replica.pipeline.shapes import ShapeOracle
-from replica.pipeline.sharding import local_tensor, shard_stage
-from replica.pipeline.tensor_parallel import match_grad_placements
-from replica.pipeline.simulate import Event, Timeline, simulate, stage_costs_from_plan
 from replica.precision import ambient_autocast, autocast_dtype, autocast_for
+from replica.runtime import p2p
+from replica.runtime.clock import timing
+from replica.runtime.executor import Executor, LossFn, Step, StepResult
+from replica.runtime.mailbox import Mailbox, greet_peers
+from replica.runtime.shapes import ShapeOracle
+from replica.schedules.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from replica.schedules.simulate import Event, Timeline
 
 __all__ = ["Topology", "DistributedRuntime"]
 
-_AUTOCAST_TAG = 1  # the autocast check's messages; a step's are all tag 0 (pipeline/mailbox.py)
+_AUTOCAST_TAG = 1  # the autocast check's messages; a step's are all tag 0 (runtime/mailbox.py)
 
 
 @dataclass(frozen=True)
@@ -201,12 +201,9 @@ class DistributedRuntime:
         messages = p2p.step_messages(edges, self.place, self.plan.num_microbatches, train=train)
         actions = schedule if train else self._inference_actions(schedule)
         priority = None
-        if train:  # ties between ranks go to the action the plan's times say starts first
-            try:
-                timeline = simulate(schedule, stage_costs_from_plan(self.plan, schedule))
-                priority = {e.action: e.start_s for e in timeline.events}
-            except ReplicaError:
-                priority = None
+        if train and self.plan.action_starts:  # ties between ranks: the action the plan says starts first
+            priority = {Action.parse(a): t for names, starts in zip(self.plan.actions, self.plan.action_starts)
+                        for a, t in zip(names, starts)}
         full = p2p.ordered(messages, p2p.linearize(actions, messages, priority))
         p2p.check_fifo(actions, full)
         me = self.topology.pipeline_rank

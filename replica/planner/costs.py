@@ -1,0 +1,91 @@
+"""The one price of a plan's stages per micro-batch, read by the tuner, refinement, the report and the planner.
+
+A :class:`~replica.partition.plan.Plan` prices each stage over a whole step (all its
+micro-batches); :func:`stage_costs_from_plan` turns that into one micro-batch's
+:class:`~replica.schedules.simulate.StageCosts` under a schedule, and :func:`rank_memory`
+adds up what each pipeline rank holds at its fullest. Every place that predicts a step or a
+peak from a plan goes through these two, so the tuner's ranking, the refined plan, the
+summary and the HTML report agree about the same plan.
+
+Per micro-batch: forward and backward are the step's over ``num_microbatches`` (the
+backward split ``1 - WEIGHT_SHARE`` / ``WEIGHT_SHARE`` into B and W where the schedule has W
+actions), their per-call parts (launches) kept apart so that graded micro-batches price
+right; a stage's outputs cross to the next stage's rank over ``device``'s link; a stage
+holds one micro-batch's saved activations from its forward to its backward (with whole-stage
+recompute, one micro-batch's at a time: only its inputs are kept), and its state (weights,
+gradients, optimizer) and received inputs over the whole step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from replica.errors import ConfigError
+from replica.partition.cost import DeviceSpec, device_spec
+from replica.partition.plan import Plan
+from replica.schedules.actions import Action, placement, splits_backward
+from replica.schedules.schedule import WEIGHT_SHARE, max_in_flight
+from replica.schedules.simulate import StageCosts
+
+__all__ = ["stage_costs_from_plan", "rank_memory"]
+
+
+def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
+                          device: DeviceSpec | None = None) -> list[StageCosts]:
+    """Per-micro-batch costs of ``plan``'s stages under ``schedule`` (see the module's
+    docstring); transfers priced on ``device``'s link (default: the stage's, else the plan's
+    device, by preset name)."""
+    where = placement(schedule)
+    if sorted(where) != list(range(plan.num_stages)):
+        raise ConfigError(
+            f"the schedule runs stages {sorted(where)} but the plan has {plan.num_stages}; make the schedule "
+            f"with make_schedule(name, {plan.num_stages}, {plan.num_microbatches})"
+        )
+    m = plan.num_microbatches
+    split = splits_backward(schedule)
+    share = 1 - WEIGHT_SHARE if split else 1.0
+    costs = []
+    for stage in plan.stages:
+        k = stage.stage_index
+        forward, backward = stage.forward_time_s / m, stage.backward_time_s / m
+        send = 0.0
+        if k + 1 in where and where[k + 1] != where[k]:
+            link = device or _device(stage.device or plan.device)
+            send = sum(b.nbytes for b in stage.outputs) / m / link.link_bandwidth + link.link_latency_s
+        memory = stage.memory
+        one = int(stage.activation_bytes / m)  # one micro-batch's saved activations
+        received = sum(b.nbytes for b in stage.inputs)
+        costs.append(StageCosts(
+            forward_s=forward,
+            backward_s=backward * share,
+            weight_s=backward * WEIGHT_SHARE if split else 0.0,
+            send_s=send,
+            activation_bytes=0 if plan.recompute else one,
+            static_bytes=memory.parameters + memory.gradients + memory.optimizer + received
+            + (one if plan.recompute else 0),
+            forward_fixed_s=min(stage.fixed_forward_s, forward),
+            backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
+            input_grad_share=1 - WEIGHT_SHARE if plan.early_input_grads and not split else 1.0,
+        ))
+    return costs
+
+
+def rank_memory(costs: Sequence[StageCosts], schedule: Sequence[Sequence[Action]]) -> list[float]:
+    """Per pipeline rank of ``schedule``, the bytes it holds at its fullest: its stages' static
+    bytes, and each stage's activations times the micro-batches the schedule holds on it at once."""
+    where = placement(schedule)
+    flights = max_in_flight(schedule, len(costs))
+    memory = [0.0] * len(schedule)
+    for k, c in enumerate(costs):
+        memory[where[k]] += c.static_bytes + c.activation_bytes * flights[k]
+    return memory
+
+
+def _device(name: str) -> DeviceSpec:
+    try:
+        return device_spec(name)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"the plan was made for device {name!r}, which is not a preset; pass "
+            f"stage_costs_from_plan(plan, schedule, device=<the DeviceSpec it was planned with>)"
+        ) from exc

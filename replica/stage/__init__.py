@@ -1,0 +1,1 @@
+"""Rewrites of a stage's graph: split backward, rebuilt activations, whole-batch batch-norm statistics."""
