@@ -2,103 +2,54 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from replica.errors import ConfigError, PipelineError
+from replica.errors import ConfigError, PipelineError, ReplicaError
 from replica.materialize import check_initializable
 from replica.meta import materialize_own_stages, ready_for_runtime
 from replica.partition.plan import Plan
-from replica.partition.trace import trace
-from replica.pipeline_model import PipelineModel
-from replica.planner import PlannerOptions, PlanRequest, make_plan
+from replica.partition.trace import Traced, trace
+from replica.pipeline_model import PipelineModel, released
+from replica.planner import make_plan
 from replica.planner.agree import agree_on_plan, distributed, use_the_model_device
+from replica.planner.request import PlanningOptions, PlanRequest, split_planning, with_planning_signature
 from replica.precision import precision_name
 from replica.runtime.local import LossFn
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
 
 _PLANNING_DOC = """
-    Planning arguments (the same for ``plan`` and ``auto_parallel``; None leaves the choice to
-    the planner): ``num_stages``, ``num_microbatches`` (per replica), ``schedule`` (a name, or
-    ``"auto"`` to let the tuner pick; None is ``"1f1b"``), ``data_parallel_size``,
-    ``tensor_parallel_size`` (the ranks each stage's layers are cut across, Megatron-style: the
-    planner finds the MLPs, attention heads, token embedding and head it can cut in the traced
-    graph, and DTensor computes them, exactly; everything else runs whole on each of them.
-    None: the tuner decides, within a node; 1: off. It runs only across processes),
-    ``device`` (a preset name, a ``DeviceSpec``, or one per stage), ``cost`` (``"profile"``
-    times every op here on real tensors, ``"analytic"`` prices FLOPs and bytes on
-    ``device``'s spec, ``"auto"`` profiles when the model and inputs are real and no other
-    ``device`` is named), ``memory_budget`` (bytes per device, or one per stage; default
-    the device's memory when planning analytically), ``optimizer`` (what the memory model counts per parameter),
-    ``mixed_precision`` (None: fp32, or rather the weights' own dtype; ``"bf16"`` / ``"fp16"``:
-    autocast, priced at the device's half-precision rate and sizes), ``sharded_data_parallel``
-    (True: the data-parallel replicas shard their stages' weights, gradients and optimizer
-    state with torch's FSDP2, ``"zero3"`` or ``"zero2"`` as the planner prices them, or that one
-    named; False: each holds a whole copy; None: the planner decides),
-    ``recompute`` (True:
-    keep only stage inputs and run the forward again in backward; ``"pointwise"``: rebuild
-    GELU / SiLU outputs in backward on the stages that hold several micro-batches; None:
-    the tuner decides, and stages rebuild GELU / SiLU / LayerNorm outputs where that is as
-    good as free or pays for graded micro-batches; False: neither), ``tracer`` (``"fx"``,
-    ``"export"`` or ``"auto"``: fx, then ``torch.export``), ``dynamic_dims`` (which input dims
-    an exported graph leaves dynamic: ``"auto"``, ``"batch"`` or ``"all"``, see
-    ``replica.partition.trace.trace``), ``graded_microbatches``
-    (smaller micro-batches where the pipeline fills and drains, when the simulator says the
-    step gets at least ``options.min_gain`` shorter; gradients stay exact), ``options``
-    (:class:`replica.PlannerOptions`: the planner's thresholds) and ``batch``:
-    ``"global"`` (the default: ``example_inputs`` and every step take the batch the plain
-    model would, on every rank; each data-parallel replica trains its slice) or
-    ``"per_rank"`` (each replica is fed its own batch, e.g. by a loader that shards per
-    rank; the number of replicas must then be fixed by ``data_parallel_size`` or
-    ``num_stages``).
-"""
+    Planning keywords (the same for ``plan``, ``auto_parallel`` and ``replica.defaults.TrainerConfig``,
+    defined once by :class:`replica.planner.PlanningOptions`; None leaves the choice to the planner):
+    """ + (PlanningOptions.__doc__ or "").split("\n\n", 1)[-1]
 
 
+@with_planning_signature
 def plan(
     model: torch.nn.Module,
     example_inputs: Any = (),
     *,
     example_kwargs: dict[str, Any] | None = None,
     world_size: int | None = None,
-    num_stages: int | None = None,
-    num_microbatches: int | None = None,
-    schedule: str | None = None,
-    data_parallel_size: int | None = None,
-    tensor_parallel_size: int | None = None,
-    device: Any = None,
-    leaf_modules: Iterable[type | str | torch.nn.Module] = (),
-    cost: str = "auto",
-    memory_budget: float | Sequence[float] | None = None,
-    optimizer: str = "adam",
-    mixed_precision: str | None = None,
-    sharded_data_parallel: bool | str | None = None,
-    recompute: bool | str | None = None,
-    tracer: str = "auto",
-    dynamic_dims: str = "auto",
-    graded_microbatches: bool = True,
-    options: PlannerOptions | None = None,
-    batch: str = "global",
+    **planning: Any,
 ) -> Plan:
     """Plan only: trace ``model`` (meta tensors welcome), price it on ``device`` and lay it out
     on ``world_size`` devices (None: one process running every stage, as ``auto_parallel``
     without a process group). ``auto_parallel`` with the same arguments on that world
     makes the same plan.
     """
-    request = PlanRequest(
-        world_size=world_size, num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
-        data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, device=device, cost=cost,
-        memory_budget=memory_budget, recompute=recompute, graded_microbatches=graded_microbatches,
-        optimizer=optimizer, precision=precision_name(mixed_precision), sharded_data_parallel=sharded_data_parallel,
-        batch=batch,
-        options=options or PlannerOptions())
-    traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer=tracer,
-                   dynamic_dims=dynamic_dims)
-    return make_plan(traced, model, request)
+    request = PlanRequest(world_size=world_size, **split_planning(planning, "replica.plan"))
+    return make_plan(_trace(model, example_inputs, example_kwargs, request), model, request)
+
+
+def _trace(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None,
+           request: PlanningOptions, tracer: str | None = None) -> Traced:
+    return trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=request.leaf_modules,
+                 tracer=tracer or request.tracer, dynamic_dims=request.dynamic_dims)
 
 
 plan.__doc__ = (plan.__doc__ or "") + _PLANNING_DOC
@@ -115,11 +66,44 @@ def _check_grad_dtype(grad_dtype: Any) -> None:
                           "upgrade torch, or leave grad_dtype=None (gradients in the weights' dtype)")
 
 
-def _check_given_plan(given: Plan, world: int, **asked: Any) -> None:
-    """A plan passed in must agree with what else was asked and fit this world."""
+# planning keywords a plan does not record: with plan= given, nothing is planned, so they do nothing
+_PLANNING_ONLY = ("device", "cost", "memory_budget", "optimizer", "graded_microbatches", "options")
+
+
+def _planned(given: Plan, name: str) -> Any:
+    """What ``given`` decided for the planning keyword ``name`` (None: it records nothing)."""
+    layout = given.layout
+    return {
+        "num_stages": given.num_stages, "num_microbatches": given.num_microbatches, "schedule": given.schedule,
+        "data_parallel_size": given.data_parallel_size, "tensor_parallel_size": layout.tensor_parallel_size,
+        "sharded_data_parallel": layout.sharding, "shard_group_size": layout.dp_shard,
+        "mixed_precision": given.precision,
+        "recompute": "pointwise" if given.pointwise_recompute else given.recompute,
+    }.get(name)
+
+
+def _agrees(name: str, asked: Any, planned: Any) -> bool:
+    if name == "schedule":
+        return asked == "auto" or asked == planned
+    if name == "sharded_data_parallel":
+        return planned == asked if isinstance(asked, str) else (planned != "none") == asked
+    if name == "mixed_precision":
+        return precision_name(asked) == planned
+    return asked == planned
+
+
+def _check_given_plan(given: Plan, world: int, asked: dict[str, Any]) -> None:
+    """A plan passed in must agree with every planning keyword also given, and fit this world."""
     for name, value in asked.items():
-        planned = getattr(given, name)
-        if value is not None and value != planned:
+        if value is None or name in ("tracer", "dynamic_dims", "leaf_modules", "batch"):
+            continue  # how to trace again, and what the steps are fed: not planning decisions
+        if name in _PLANNING_ONLY:
+            raise ConfigError(
+                f"{name}={value!r} is an input to planning, but a plan was passed in (plan=), so nothing is planned "
+                f"and {name} would do nothing; leave {name} out, or re-plan with it (replica.plan(..., {name}=...))"
+            )
+        planned = _planned(given, name)
+        if not _agrees(name, value, planned):
             raise ConfigError(
                 f"{name}={value!r} disagrees with the plan passed in, which has {name}={planned!r}; "
                 f"leave {name} out to use the plan's, or re-plan"
@@ -137,29 +121,12 @@ def _check_given_plan(given: Plan, world: int, **asked: Any) -> None:
         )
 
 
+@with_planning_signature
 def auto_parallel(
     model: torch.nn.Module,
     example_inputs: Any = (),
     *,
     example_kwargs: dict[str, Any] | None = None,
-    num_stages: int | None = None,
-    num_microbatches: int | None = None,
-    schedule: str | None = None,
-    data_parallel_size: int | None = None,
-    tensor_parallel_size: int | None = None,
-    device: Any = None,
-    leaf_modules: Iterable[type | str] = (),
-    cost: str = "auto",
-    memory_budget: float | Sequence[float] | None = None,
-    optimizer: str = "adam",
-    mixed_precision: str | None = None,
-    sharded_data_parallel: bool | str | None = None,
-    recompute: bool | str | None = None,
-    tracer: str = "auto",
-    dynamic_dims: str = "auto",
-    graded_microbatches: bool = True,
-    options: PlannerOptions | None = None,
-    batch: str = "global",
     loss_fn: LossFn | None = None,
     loss_reduction: str = "mean",
     deferred_batchnorm: bool = True,
@@ -168,6 +135,7 @@ def auto_parallel(
     init: Callable[[torch.nn.Module], None] | None = None,
     weights: str | os.PathLike[str] | None = None,
     grad_dtype: torch.dtype | None = None,
+    **planning: Any,
 ) -> PipelineModel:
     """Trace, plan and split ``model`` into a pipeline, and return it ready to train.
 
@@ -210,13 +178,12 @@ def auto_parallel(
             f"{type(model).__name__} has no parameters: there is nothing to train, so nothing to pipeline. "
             "Pass the model that owns the weights (or run it directly)."
         )
-    if getattr(model, "_replica_released", False):
+    if released(model):
         raise ConfigError(
             f"this {type(model).__name__} already went through a distributed auto_parallel on this rank, which "
             "freed the weights of the stages other ranks hold. Build (or load) the model again before "
             "pipelining it again, or keep using the first PipelineModel."
         )
-    precision = precision_name(mixed_precision)
     _check_grad_dtype(grad_dtype)
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn must be callable(output, target) -> scalar tensor, got {type(loss_fn).__name__}")
@@ -242,38 +209,34 @@ def auto_parallel(
     # those replica.materialize gives under the same torch.manual_seed, whatever the layout
     seed = int(torch.randint(2**62, ()).item()) if on_meta else None
     world = dist.get_world_size() if distributed() else 1
+    planning = split_planning(planning, "replica.auto_parallel")
     if plan is not None:
-        _check_given_plan(plan, world, num_stages=num_stages, num_microbatches=num_microbatches,
-                          schedule=None if schedule is None else str(schedule).lower(),
-                          data_parallel_size=data_parallel_size,
-                          precision=None if mixed_precision is None else precision)
-        schedule = plan.schedule
-    request = PlanRequest(
-        world_size=None if world == 1 else world, num_stages=num_stages, num_microbatches=num_microbatches,
-        schedule=schedule, data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
-        device=device, cost=cost, memory_budget=memory_budget, recompute=recompute,
-        graded_microbatches=graded_microbatches, optimizer=optimizer, precision=precision,
-        sharded_data_parallel=sharded_data_parallel, batch=batch,
-        options=options or PlannerOptions())
-    traced = trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer=tracer,
-                   dynamic_dims=dynamic_dims)
+        _check_given_plan(plan, world, planning)
+        request: PlanningOptions = PlanningOptions(**planning)
+    else:
+        request = PlanRequest(world_size=None if world == 1 else world, **planning)
+    traced = _trace(model, example_inputs, example_kwargs, request)
     if world > 1:
         use_the_model_device(model)
+    failed: ReplicaError | None = None  # rank 0's, handed to every rank: the same error everywhere, no hang
     if plan is None and (world == 1 or dist.get_rank() == 0):
-        plan = make_plan(traced, model, request)
-    elif plan is not None and recompute == "pointwise" and not plan.recompute:
-        plan = dataclasses.replace(plan, pointwise_recompute=True)
+        assert isinstance(request, PlanRequest)
+        try:
+            plan = make_plan(traced, model, request)
+        except ReplicaError as exc:
+            if world == 1:
+                raise
+            failed = exc
     try:
         if world > 1:
-            plan, seed = agree_on_plan(plan, traced, seed)
+            plan, seed = agree_on_plan(plan, traced, seed, failed=failed)
         assert plan is not None
         device = None
         if on_meta:
             assert seed is not None
             device = materialize_own_stages(model, plan, world, init, weights, seed)
-            traced = ready_for_runtime(traced, model, device, lambda: trace(
-                model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, tracer="fx",
-                dynamic_dims=dynamic_dims))
+            traced = ready_for_runtime(traced, model, device,
+                                       lambda: _trace(model, example_inputs, example_kwargs, request, tracer="fx"))
         return PipelineModel(model, traced, plan, loss_fn=loss_fn, loss_reduction=loss_reduction,
                              batch=request.batch, deferred_batchnorm=deferred_batchnorm, timeout_s=timeout_s,
                              device=device, grad_dtype=grad_dtype)

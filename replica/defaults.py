@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from replica.errors import ConfigError
-from replica.layout import schedule_names
-from replica.precision import precision_name
+from replica.partition.cost import torch_device_of
+from replica.planner.request import PlanningOptions
 
 __all__ = ["TrainerConfig", "default_config"]
 
@@ -37,33 +38,26 @@ def _path(name: str, value: Any) -> None:
 
 
 @dataclass(kw_only=True)
-class TrainerConfig:
+class TrainerConfig(PlanningOptions):
     """How :func:`replica.get_trainer` trains. ``None`` means "Replica chooses".
 
-    - ``num_stages``, ``num_microbatches``, ``schedule``, ``data_parallel_size``: the
-      pipeline, as for :func:`replica.auto_parallel` (one stage in one process; under
-      ``torchrun`` one stage per rank unless ``data_parallel_size`` leaves replicas).
+    - Every planning keyword of :func:`replica.auto_parallel` (``num_stages``,
+      ``num_microbatches``, ``schedule``, ``data_parallel_size``, ``tensor_parallel_size``,
+      ``sharded_data_parallel``, ``recompute``, ``mixed_precision``, ``device``, ...), with the
+      same names, meanings and checks (:class:`replica.planner.PlanningOptions`). Under
+      ``torchrun`` the planner chooses the replicas, stages and schedule as ``auto_parallel``
+      does. ``device``: a torch device (``"cuda"``, ``"cpu"``) moves the model there and
+      prices it as that device; a preset name prices the plan as that machine, the model
+      staying where it is. fp16 steps through a :class:`replica.GradScaler`, whose state the
+      checkpoints keep. Checkpoints hold whole tensors, so a run resumes under another layout.
     - ``batch_size``: samples per optimizer step over all data-parallel replicas;
       ``shuffle``: a new order every epoch, drawn from ``seed`` and the epoch number.
     - ``checkpoint_dir``: where ``step-XXXXXXXX/`` checkpoints go and resume from;
       ``checkpoint_every_steps`` (None: at the end of every epoch); ``keep_checkpoints``.
     - ``log_every_steps``, ``metrics_file`` (JSONL, appended), ``progress`` (a bar on a terminal).
-    - ``device``: where the model and batches live (None: where the model's parameters are).
     - ``timeout_s``: the longest wait on another rank before a clear error.
-    - ``sharded_data_parallel``: the replicas shard their stages (FSDP2; None: the planner
-      decides), as for :func:`replica.auto_parallel`.
-    - ``tensor_parallel_size``: the ranks each stage's layers are cut across (None: the
-      planner decides; 1: off), as for :func:`replica.auto_parallel`; checkpoints hold whole
-      tensors, so a run resumes under another tensor-parallel size.
-    - ``precision``: ``"fp32"`` (the weights' own dtype), ``"bf16"`` or ``"fp16"``: autocast,
-      as :func:`replica.auto_parallel`'s ``mixed_precision``; fp16 steps through a
-      :class:`replica.GradScaler`, whose state the checkpoints keep.
     """
 
-    num_stages: int | None = None
-    num_microbatches: int | None = None
-    schedule: str = "1f1b"
-    data_parallel_size: int | None = None
     batch_size: int = 32
     shuffle: bool = True
     checkpoint_dir: "str | os.PathLike[str] | None" = None
@@ -72,18 +66,11 @@ class TrainerConfig:
     log_every_steps: int = 10
     metrics_file: "str | os.PathLike[str] | None" = None
     seed: int = 0
-    device: "str | torch.device | None" = None
     progress: bool = True
     timeout_s: float = 300.0
-    precision: str = "fp32"
-    sharded_data_parallel: bool | None = None
-    tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
-        _count("num_stages", self.num_stages, optional=True)
-        _count("num_microbatches", self.num_microbatches, optional=True)
-        _count("data_parallel_size", self.data_parallel_size, optional=True)
-        _count("tensor_parallel_size", self.tensor_parallel_size, optional=True)
+        super().__post_init__()
         _count("batch_size", self.batch_size, optional=False)
         _count("checkpoint_every_steps", self.checkpoint_every_steps, optional=True)
         _count("keep_checkpoints", self.keep_checkpoints, optional=False)
@@ -92,13 +79,11 @@ class TrainerConfig:
         _flag("progress", self.progress)
         _path("checkpoint_dir", self.checkpoint_dir)
         _path("metrics_file", self.metrics_file)
-        self.precision = precision_name(self.precision, argument="precision")
-        if self.sharded_data_parallel not in (None, True, False):
-            raise ConfigError(f"sharded_data_parallel must be True, False or None (the planner decides), got "
-                              f"{self.sharded_data_parallel!r}")
-        known = schedule_names(auto=True)
-        if not isinstance(self.schedule, str) or self.schedule.lower() not in known:
-            raise ConfigError(f"schedule must be one of {known}, got {self.schedule!r}")
+        if self.batch != "global":
+            raise ConfigError(
+                f"batch={self.batch!r}: the Trainer feeds every rank the whole batch (each replica trains its slice), "
+                "so its config takes batch='global' only; shard a loader per rank with auto_parallel(batch='per_rank')"
+            )
         if self.checkpoint_every_steps is not None and self.checkpoint_dir is None:
             raise ConfigError(
                 f"checkpoint_every_steps={self.checkpoint_every_steps} but checkpoint_dir is None: "
@@ -113,18 +98,23 @@ class TrainerConfig:
             raise ConfigError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
-        if self.device is not None:
-            try:
-                torch.device(self.device)
-            except (RuntimeError, TypeError) as exc:
-                raise ConfigError(
-                    f"device={self.device!r} is not a torch device ({exc}); use e.g. 'cpu', 'cuda' or 'cuda:1', "
-                    "or None for where the model's parameters are"
-                ) from None
+
+    @property
+    def model_device(self) -> torch.device | None:
+        """Where the Trainer puts the model: ``device`` where it names a torch device, else None."""
+        return torch_device_of(self.device)
 
 
 def default_config(**overrides: Any) -> TrainerConfig:
-    """The defaults, with any field replaced: ``default_config(batch_size=64, checkpoint_dir="ckpt")``."""
+    """The defaults, with any field replaced: ``default_config(batch_size=64, checkpoint_dir="ckpt")``.
+    ``precision=`` is still taken, as the old name of ``mixed_precision`` (changed: one planning
+    vocabulary with ``auto_parallel``)."""
+    if "precision" in overrides:
+        if "mixed_precision" in overrides:
+            raise ConfigError("give mixed_precision= only (precision= is its old name)")
+        warnings.warn("default_config(precision=...) is now mixed_precision=..., as auto_parallel names it",
+                      FutureWarning, stacklevel=2)
+        overrides["mixed_precision"] = overrides.pop("precision")
     names = {f.name for f in dataclasses.fields(TrainerConfig)}
     unknown = sorted(set(overrides) - names)
     if unknown:

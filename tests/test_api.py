@@ -212,8 +212,12 @@ def test_auto_parallel_refuses_what_it_cannot_run(mlp):
 
 def test_plan_num_stages_must_divide_world_size(mlp):
     msg = error(replica.ConfigError, replica.plan, mlp.model, mlp.example_inputs, world_size=6, num_stages=4,
-                device=COMPUTE_BOUND)
+                schedule="1f1b", device=COMPUTE_BOUND)
     assert "num_stages=4" in msg and "6" in msg
+    # the schedule left to the tuner: no schedule lays 4 stages out on 6 ranks either
+    msg = error(replica.ConfigError, replica.plan, mlp.model, mlp.example_inputs, world_size=6, num_stages=4,
+                device=COMPUTE_BOUND)
+    assert "num_stages=4 fits no layout of 6 devices" in msg and "[1, 2, 3, 6]" in msg
 
 
 def test_as_many_stages_as_ops(mlp):

@@ -138,7 +138,7 @@ def test_one_micro_batch_is_the_plain_model() -> None:
 def _distributed_step(rank: int, world_size: int, recompute: bool) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model, x, y = case()
-    pm = pipeline(model, x, num_microbatches=4, recompute=recompute, timeout_s=30)
+    pm = pipeline(model, x, num_microbatches=4, recompute=recompute, timeout_s=30, schedule="1f1b")
     pm.train_step((x,), y)
     return {k: v.clone() for k, v in statistics(pm.model).items() if k in pm.state_dict()}
 
@@ -150,7 +150,7 @@ def test_distributed_ranks_keep_the_whole_batch_s_statistics(recompute: bool) ->
 
     torch.manual_seed(0)
     model, x, y = case()
-    pm = pipeline(copy.deepcopy(model), x, num_microbatches=4, recompute=recompute)  # the ranks' plan
+    pm = pipeline(copy.deepcopy(model), x, num_microbatches=4, recompute=recompute, schedule="1f1b")  # the ranks'
     want = statistics(plain_on_micro_batches(model, x, y, pm.plan))
     ranks = run_local(_distributed_step, 2, recompute, timeout_s=90)
     assert ranks[0] and ranks[1] and not ranks[0].keys() & ranks[1].keys()

@@ -12,7 +12,7 @@ from replica.defaults import TrainerConfig, default_config
 
 def test_the_defaults_are_the_documented_ones() -> None:
     c = default_config()
-    assert (c.num_stages, c.num_microbatches, c.schedule, c.data_parallel_size) == (None, None, "1f1b", None)
+    assert (c.num_stages, c.num_microbatches, c.schedule, c.data_parallel_size) == (None, None, None, None)  # None: the tuner's choice
     assert (c.batch_size, c.shuffle, c.seed, c.device, c.progress) == (32, True, 0, None, True)
     assert (c.checkpoint_dir, c.checkpoint_every_steps, c.keep_checkpoints) == (None, None, 3)
     assert (c.log_every_steps, c.metrics_file) == (10, None)
@@ -32,13 +32,14 @@ def test_fields_are_keyword_only_and_overridable() -> None:
     ("batch_size", True, "got True"),
     ("keep_checkpoints", 0, "keep_checkpoints must be a positive int"),
     ("log_every_steps", -1, "log_every_steps"),
-    ("schedule", "fastest", "schedule must be one of"),
+    ("schedule", "fastest", "unknown schedule 'fastest'; choose one of"),
     ("shuffle", "yes", "shuffle must be True or False"),
     ("progress", 1, "progress must be True or False"),
     ("checkpoint_dir", "", "empty string"),
     ("metrics_file", 3, "metrics_file must be a path"),
     ("seed", -1, "seed must be an int in [0, 2**63)"),
-    ("device", "gpu:0", "is not a torch device"),
+    ("device", "gpu:0", "unknown device 'gpu:0'"),
+    ("device", "cuda:x", "is not a torch device"),
     ("timeout_s", 0, "timeout_s must be a number of seconds > 0"),
     ("num_microbatches", 64, "num_microbatches=64 but batch_size=32"),
 ])

@@ -173,7 +173,7 @@ def test_the_trainer_trains_in_half_precision_and_resumes(tmp_path, precision: s
     from tests.train_cases import images, small_cnn
 
     x, y = images(64)
-    config = default_config(batch_size=16, num_stages=2, num_microbatches=2, precision=precision,
+    config = default_config(batch_size=16, num_stages=2, num_microbatches=2, mixed_precision=precision,
                                     checkpoint_dir=tmp_path, checkpoint_every_steps=2, progress=False)
     torch.manual_seed(0)
     trainer = get_trainer(config, small_cnn(), torch.nn.functional.cross_entropy, _sgd)
@@ -186,7 +186,7 @@ def test_the_trainer_trains_in_half_precision_and_resumes(tmp_path, precision: s
     if precision == "fp16":
         assert resumed.scaler.get_scale() == trainer.scaler.get_scale()
     with pytest.raises(replica.ConfigError, match="precision"):
-        default_config(precision="int8")
+        default_config(mixed_precision="int8")
 
 
 def test_a_tensor_that_disagrees_with_the_agreed_dtype_is_named_before_it_is_sent() -> None:

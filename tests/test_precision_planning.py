@@ -34,7 +34,7 @@ FLOPS_ONLY = replica.DeviceSpec(name="gpu-flops-only", flops=1e9, half_flops=4e9
 def planned(model: nn.Module, inputs: tuple, precision: str, **request) -> Plan:
     """The plan ``make_plan`` makes for ``model``: analytic, even micro-batches, nothing rebuilt."""
     asked = dict(device=FLOPS_ONLY, cost="analytic", graded_microbatches=False, recompute=False) | request
-    return make_plan(trace(model, inputs), model, PlanRequest(precision=precision, **asked))
+    return make_plan(trace(model, inputs), model, PlanRequest(mixed_precision=precision, **asked))
 
 
 def numel(model: nn.Module, names) -> int:
@@ -65,13 +65,13 @@ def gpt_bytes(node) -> int:
 @pytest.mark.parametrize("given, name", [(None, "fp32"), ("fp32", "fp32"), ("bfloat16", "bf16"),
                                          (torch.bfloat16, "bf16"), ("half", "fp16"), (torch.float16, "fp16")])
 def test_a_request_names_its_precision(given, name):
-    assert PlanRequest(precision=given).precision == name
+    assert PlanRequest(mixed_precision=given).precision == name
 
 
 @pytest.mark.parametrize("given", [True, "int8", torch.float64])
 def test_a_request_refuses_what_is_no_precision(given):
     with pytest.raises(ConfigError, match="precision"):
-        PlanRequest(precision=given)
+        PlanRequest(mixed_precision=given)
 
 
 # --------------------------------------------------------------------------- dtypes under autocast
@@ -320,7 +320,7 @@ def test_a_meta_model_plans_in_bf16_on_a_preset():
         case = models.tiny_gpt()
     tokens = torch.empty(8, 16, dtype=torch.long, device="meta")
     traced = trace(case.model, (tokens,))
-    p = make_plan(traced, case.model, PlanRequest(precision="bf16", device="a100-80gb", num_stages=2))
+    p = make_plan(traced, case.model, PlanRequest(mixed_precision="bf16", device="a100-80gb", num_stages=2))
     assert p.precision == "bf16" and p.device == "a100-80gb"
     assert {b.dtype for s in p.stages for b in s.outputs} <= {"bfloat16", "float32"}
 
@@ -383,5 +383,5 @@ def test_a_profiled_plan_in_bf16(monkeypatch, tmp_path):
     monkeypatch.setenv("REPLICA_CACHE_DIR", str(tmp_path))
     case = models.mlp()
     p = make_plan(trace(case.model, case.example_inputs), case.model,
-                  PlanRequest(precision="bf16", num_stages=2, cost="profile"))
+                  PlanRequest(mixed_precision="bf16", num_stages=2, cost="profile"))
     assert p.precision == "bf16" and all(s.forward_time_s > 0 for s in p.stages)

@@ -110,7 +110,7 @@ def train_with_trainer(model: GPT, train_data: torch.Tensor, val_data: torch.Ten
     config = replica.defaults.default_config(
         num_stages=args.num_stages, num_microbatches=args.num_microbatches, schedule=args.schedule,
         batch_size=args.batch_size, seed=args.seed, log_every_steps=args.log_every,
-        precision=args.precision,  # fp16: the Trainer steps through its own replica.GradScaler
+        mixed_precision=args.precision,  # fp16: the Trainer steps through its own replica.GradScaler
     )
     trainer = replica.get_trainer(config=config, model=model, loss=loss_fn,
                                   optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))

@@ -9,15 +9,15 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
 from replica.errors import ConfigError
 from replica.partition.graph import Node
-from replica.partition.profile import OpTimes
+from replica.partition.profile import OpTimes, cache_dir
 
-__all__ = ["DeviceSpec", "CostModel", "TensorParallelCosts", "device_spec", "preset_for_cuda_device",
+__all__ = ["DeviceSpec", "CostModel", "TensorParallelCosts", "device_spec", "torch_device_of", "preset_for_cuda_device",
            "ring_collective_time", "PRESETS"]
 
 
@@ -140,10 +140,6 @@ def preset_for_cuda_device(name: str) -> str:
     )
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("REPLICA_CACHE_DIR", Path.home() / ".cache" / "replica"))
-
-
 def _best_time(fn: "object", repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -221,7 +217,7 @@ def _cpu_spec() -> DeviceSpec:
     threads = torch.get_num_threads()
     if threads in _CPU_SPECS:
         return _CPU_SPECS[threads]
-    path = _cache_dir() / f"cpu-{threads}t.json"
+    path = cache_dir() / f"cpu-{threads}t.json"
     spec = None
     try:
         saved = json.loads(path.read_text())
@@ -244,8 +240,22 @@ def _cpu_spec() -> DeviceSpec:
 _CPU_SPECS: dict[int, DeviceSpec] = {}
 
 
+def torch_device_of(device: Any) -> torch.device | None:
+    """``device`` as a torch device where it names one (``"cpu"``, ``"cuda:1"``, a
+    ``torch.device``), None where it names a cost preset or a ``DeviceSpec`` (or is None)."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str) and device.split(":")[0] in ("cpu", "cuda", "mps", "xpu"):
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            return None
+    return None
+
+
 def device_spec(device: "str | DeviceSpec | torch.device | None") -> DeviceSpec:
-    """A preset by name (``"cpu"``, ``"a100-80gb"``, ``"a100-40gb"``, ``"h100-80gb"``), or a spec as given."""
+    """A preset by name (``"cpu"``, ``"a100-80gb"``, ``"a100-40gb"``, ``"h100-80gb"``), a torch device
+    (``"cuda:1"``: its GPU's preset), or a spec as given."""
     if isinstance(device, DeviceSpec):
         return device
     name = "cpu" if device is None else str(device)
@@ -253,6 +263,8 @@ def device_spec(device: "str | DeviceSpec | torch.device | None") -> DeviceSpec:
         return _cpu_spec()
     if name in PRESETS:
         return PRESETS[name]
+    if name.startswith("cuda") and torch.cuda.is_available():  # a torch device: priced as its GPU's preset
+        return PRESETS[preset_for_cuda_device(torch.cuda.get_device_name(torch.device(name)))]
     gpu = (" (for a CUDA device, its preset is preset_for_cuda_device(torch.cuda.get_device_name(device)))"
            if name.startswith("cuda") else "")
     raise ConfigError(

@@ -6,8 +6,8 @@ import json
 import os
 import tempfile
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -18,7 +18,7 @@ from replica.partition.mutation import mutates_first_argument
 from replica.partition.pure import untouched, written_parameters
 from replica.precision import autocast_for, precision_name
 
-__all__ = ["OpTimes", "profile"]
+__all__ = ["OpTimes", "profile", "cache_dir"]
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,16 @@ class _Profiler(fx.Interpreter):
                      self.repeats)
 
 
+def cache_dir() -> Path:
+    """Where the planner keeps what it measured on this machine (the CPU's spec, op timings):
+    ``$REPLICA_CACHE_DIR`` if set, else ``~/.cache/replica``. The one place it is read."""
+    return Path(os.environ.get("REPLICA_CACHE_DIR", Path.home() / ".cache" / "replica"))
+
+
 def _cache_file() -> Path:
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name().replace(" ", "-")
     name = f"profile-{device}-{torch.get_num_threads()}t-torch{torch.__version__}.json"
-    return Path(os.environ.get("REPLICA_CACHE_DIR", Path.home() / ".cache" / "replica")) / name
+    return cache_dir() / name
 
 
 def _load_cache(use: bool) -> dict[str, list[float]]:

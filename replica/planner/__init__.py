@@ -9,13 +9,12 @@ and refines the chosen plan (:mod:`.refine`: graded micro-batches, rebuilds).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from replica.errors import ConfigError, PartitionError
-from replica.layout import SHARDINGS, Layout, schedule_kind
+from replica.layout import Layout, schedule_kind
 from replica.partition.graph import fingerprint
 from replica.partition.partitioner import MemoryModel
 from replica.partition.plan import Plan
@@ -24,181 +23,12 @@ from replica.planner.costs import stage_costs_from_plan
 from replica.planner.options import PlannerOptions
 from replica.planner.pricing import Pricing, default_microbatches
 from replica.planner.refine import finish
-from replica.planner.tensor_parallel import tensor_parallel_choices
+from replica.planner.request import PlanningOptions, PlanRequest, check_count
 from replica.planner.tuner import tune
-from replica.precision import precision_name
 from replica.schedules.schedule import plan_schedule
 from replica.schedules.simulate import simulate
 
-__all__ = ["PlanRequest", "PlannerOptions", "make_plan", "check_count"]
-
-BATCH_MEANINGS = ("global", "per_rank")
-
-
-def check_count(name: str, value: object) -> None:
-    """A positive int or None, else a ``ConfigError`` naming ``name``."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"{name} must be a positive int or None, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanRequest:
-    """What the user asked of a plan; None leaves a choice to the planner.
-
-    ``world_size`` None plans for one process that runs every pipeline rank itself (no
-    replicas); ``schedule`` "auto" lets the tuner pick it (None: "1f1b"); ``recompute``
-    True / False / None (the tuner's choice) / "pointwise"; ``batch`` says what the
-    example inputs are: "global" (the batch the plain model would take; each replica
-    trains its slice) or "per_rank" (each replica's own batch, as from a loader that
-    already shards per rank: then the number of replicas must be fixed by the request).
-    ``precision`` is what the stages compute in (:mod:`replica.precision`): "fp32" (the
-    weights' own dtype) or "bf16" / "fp16" (autocast); any name ``precision_name`` takes.
-    ``sharded_data_parallel``: whether the data-parallel replicas shard their stages (FSDP2,
-    :attr:`replica.layout.Layout.sharding`): None lets the planner weigh "none", "zero3" and
-    "zero2" like the rest of the layout; True shards (zero3 or zero2, whichever it predicts
-    faster within memory); False never does; a name of :data:`~replica.layout.SHARDINGS` fixes it.
-    ``tensor_parallel_size``: the ranks that shard each stage's blocks (Megatron-style tensor
-    parallelism, :mod:`replica.planner.tensor_parallel`); an int fixes it (it must divide
-    ``world_size``); None lets the tuner choose among the divisors of the device's
-    ``devices_per_node`` that divide the world (one group within a node's links), where it
-    tunes; a fixed layout (named schedule, stage and micro-batch counts given) and one process
-    (``world_size`` None) keep 1. Not with sharded replicas (FSDP2 over a 2-D mesh is not built).
-    """
-
-    world_size: int | None = None
-    num_stages: int | None = None
-    num_microbatches: int | None = None
-    schedule: str | None = None
-    data_parallel_size: int | None = None
-    tensor_parallel_size: int | None = None
-    device: Any = None
-    cost: str = "auto"
-    memory_budget: float | Sequence[float] | None = None
-    recompute: bool | str | None = None
-    graded_microbatches: bool = True
-    optimizer: str = "adam"
-    precision: str = "fp32"
-    sharded_data_parallel: bool | str | None = None
-    batch: str = "global"
-    options: PlannerOptions = dataclasses.field(default_factory=PlannerOptions)
-
-    def __post_init__(self) -> None:
-        for name in ("world_size", "num_stages", "num_microbatches", "data_parallel_size", "tensor_parallel_size"):
-            check_count(name, getattr(self, name))
-        name = "1f1b" if self.schedule is None else self.schedule
-        if not (isinstance(name, str) and name.lower() == "auto"):
-            name = schedule_kind(name).name
-        object.__setattr__(self, "schedule", name.lower())
-        object.__setattr__(self, "precision", precision_name(self.precision, argument="precision"))
-        if not (self.sharded_data_parallel in (None, True, False) or self.sharded_data_parallel in SHARDINGS):
-            raise ConfigError(f"sharded_data_parallel must be True, False, None (the planner decides) or one of "
-                              f"{list(SHARDINGS)}, got {self.sharded_data_parallel!r}")
-        if not (self.recompute is None or isinstance(self.recompute, bool) or self.recompute == "pointwise"):
-            raise ConfigError(
-                f"recompute must be True (keep only stage inputs, run the forward again in backward), "
-                f"'pointwise' (rebuild GELU / SiLU outputs in backward), False or None (let the tuner decide), "
-                f"got {self.recompute!r}"
-            )
-        if self.batch not in BATCH_MEANINGS:
-            raise ConfigError(
-                f"batch={self.batch!r}; use 'global' (example inputs and train_step take the whole batch, every "
-                "replica trains its slice) or 'per_rank' (each replica is fed its own batch)"
-            )
-        if not isinstance(self.options, PlannerOptions):
-            raise ConfigError(f"options must be a replica.PlannerOptions, got {type(self.options).__name__}")
-        if self.world_size is None and self.data_parallel_size not in (None, 1):
-            raise ConfigError(
-                f"data_parallel_size={self.data_parallel_size} needs a world of processes: give world_size= to "
-                "replica.plan, or run auto_parallel under torchrun"
-            )
-        self._check_tensor_parallel()
-        if self.world_size is not None and self.num_stages is not None and self.schedule != "auto":
-            t = self.tensor_parallel_fixed()
-            if t is not None:
-                Layout.for_world(self.schedule, self.world_size, num_stages=self.num_stages,
-                                 data_parallel_size=self.data_parallel_size, tensor_parallel_size=t)
-            else:  # the tuner picks t: the stages must fit the world with one of them
-                errors = []
-                for t in [k for k in range(1, self.world_size + 1) if self.world_size % k == 0]:
-                    try:
-                        Layout.for_world(self.schedule, self.world_size, num_stages=self.num_stages,
-                                         data_parallel_size=self.data_parallel_size, tensor_parallel_size=t)
-                        break
-                    except ConfigError as exc:
-                        errors.append(exc)
-                else:
-                    raise errors[0]
-
-    def _check_tensor_parallel(self) -> None:
-        t = self.tensor_parallel_size
-        if t is None or t == 1:
-            return
-        if self.world_size is None:
-            raise ConfigError(
-                f"tensor_parallel_size={t} needs a world of processes (each stage's blocks sharded over {t} "
-                f"ranks): give world_size= to replica.plan, or run auto_parallel under torchrun")
-        if self.world_size % t:
-            raise ConfigError(
-                f"tensor_parallel_size={t} does not divide world_size={self.world_size}: world_size = "
-                f"data_parallel_size × pipeline ranks × tensor_parallel_size. Use tensor_parallel_size in "
-                f"{[k for k in range(1, self.world_size + 1) if self.world_size % k == 0]}, or a world_size "
-                f"that is a multiple of {t}")
-        if self.sharded_data_parallel not in (None, False, "none"):
-            raise ConfigError(
-                f"tensor_parallel_size={t} with sharded_data_parallel={self.sharded_data_parallel!r}: sharded "
-                "replicas over tensor-parallel stages (FSDP2 on a 2-D mesh) are not built yet; use "
-                "sharded_data_parallel=None / False with tensor parallelism, or tensor_parallel_size=1")
-
-    def tensor_parallel_fixed(self) -> int | None:
-        """The tensor-parallel size the request fixes, or None where the tuner picks it:
-        one process, a layout the request fixes (see :attr:`tuning`), replicas that must
-        shard, and a per-rank batch whose replicas the request does not fix keep 1."""
-        if self.tensor_parallel_size is not None:
-            return self.tensor_parallel_size
-        if self.world_size is None or not self.tuning or "none" not in self.shardings:
-            return 1
-        if self.batch == "per_rank" and self.data_parallel_size is None:
-            return 1
-        return None
-
-    def tensor_parallel_choices(self, devices_per_node: int) -> tuple[int, ...]:
-        """The tensor-parallel sizes the planner may use on a device of ``devices_per_node``."""
-        t = self.tensor_parallel_fixed()
-        if t is not None:
-            return (t,)
-        assert self.world_size is not None
-        return tuple(tensor_parallel_choices(self.world_size, devices_per_node))
-
-    @property
-    def tuning(self) -> bool:
-        """Whether the tuner searches: the schedule is "auto", or in a world the stage or
-        micro-batch count is left open."""
-        if self.schedule == "auto":
-            return True
-        return self.world_size is not None and (self.num_stages is None or self.num_microbatches is None)
-
-    @property
-    def shardings(self) -> tuple[str, ...]:
-        """The shardings of the replicas the planner may choose from."""
-        asked = self.sharded_data_parallel
-        if asked is None:
-            return SHARDINGS
-        if isinstance(asked, str):
-            return (asked,)
-        return ("zero3", "zero2") if asked else ("none",)
-
-    def replicas_fixed(self) -> int | None:
-        """The data-parallel replicas the request fixes, or None where the tuner picks them."""
-        if self.world_size is None:
-            return 1
-        if self.data_parallel_size is not None:
-            return self.data_parallel_size
-        t = self.tensor_parallel_fixed()
-        if self.schedule != "auto" and self.num_stages is not None and t is not None:
-            return Layout.for_world(self.schedule, self.world_size, num_stages=self.num_stages,
-                                    tensor_parallel_size=t).data_parallel_size
-        return None
-
+__all__ = ["PlanRequest", "PlanningOptions", "PlannerOptions", "make_plan", "check_count"]
 
 def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> Plan:
     """The plan of ``traced`` (from ``model``) that ``request`` asks for."""
@@ -235,6 +65,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                        recompute=(False, True) if full is None else (full,), shardings=r.shardings,
                        tensor_parallel_sizes=_worth_cutting(pricing, r.tensor_parallel_choices(
                            pricing.spec.devices_per_node), r.tensor_parallel_size is not None),
+                       shard_groups=lambda replicas, per_replica: r.shard_groups(replicas, per_replica,
+                                                                                  pricing.spec.devices_per_node),
                        options=r.options, **({} if schedules is None else {"schedules": schedules}))
         plan = best
     else:
@@ -246,7 +78,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                                       data_parallel_size=r.data_parallel_size, tensor_parallel_size=t)
         m = r.num_microbatches or default_microbatches(pricing.global_batch // layout.data_parallel_size,
                                                        layout.num_stages)
-        plan = _shard_fixed(pricing, layout, m, bool(full), r.shardings, r.options.tie)
+        plan = _shard_fixed(pricing, layout, m, bool(full), r, r.options.tie)
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
     if r.recompute == "pointwise" and not plan.recompute:
         plan = dataclasses.replace(plan, pointwise_recompute=True)
@@ -286,21 +118,23 @@ def _check_shardable(r: PlanRequest) -> None:
             "replicas, or sharded_data_parallel=None / False")
 
 
-def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, shardings: Sequence[str],
-                 tie: float) -> Plan:
-    """The plan of a layout the request fixed, with the fastest of ``shardings`` it allows
+def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, r: PlanRequest, tie: float) -> Plan:
+    """The plan of a layout the request fixed, with the fastest of the shardings it allows
     that fits (predictions within ``tie`` of it: whole replicas if among them, then the one
-    holding least memory, as the tuner takes). Where none fits, the error of the leanest
-    (zero3's, where it was tried)."""
+    holding least memory, as the tuner takes), each in the shard groups the request allows.
+    Where none fits, the error of the leanest (zero3's, where it was tried)."""
     kind = schedule_kind(layout.schedule)
-    allowed = [s for s in shardings if s == "none" or (layout.data_parallel_size > 1 and not kind.splits_backward
-                                                      and layout.tensor_parallel_size == 1)]
+    d = layout.data_parallel_size
+    per_replica = layout.pipeline_ranks * layout.tensor_parallel_size
+    allowed = [(s, None) if s == "none" else (s, None if g == d else g)
+               for s in r.shardings if s == "none" or (d > 1 and not kind.splits_backward)
+               for g in ((d,) if s == "none" else r.shard_groups(d, per_replica, pricing.spec.devices_per_node))]
     plans: list[Plan] = []
     errors: dict[str, PartitionError] = {}
-    for sharding in allowed:
+    for sharding, group in allowed:
         try:
-            plans.append(pricing.partition_for(dataclasses.replace(layout, sharding=sharding), m,
-                                               recompute=recompute))
+            plans.append(pricing.partition_for(dataclasses.replace(layout, sharding=sharding, shard_group_size=group),
+                                               m, recompute=recompute))
         except PartitionError as exc:
             errors[sharding] = exc
     if not plans:

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from replica.errors import ConfigError
+from replica import errors
+from replica.errors import ConfigError, ReplicaError
 from replica.partition.graph import fingerprint
 from replica.partition.plan import Plan
 from replica.partition.trace import Traced
@@ -39,11 +40,20 @@ def use_the_model_device(model: torch.nn.Module) -> None:
         torch.cuda.set_device(device)
 
 
-def agree_on_plan(plan: Plan | None, traced: Traced, seed: int | None = None) -> tuple[Plan, int | None]:
+def agree_on_plan(plan: Plan | None, traced: Traced, seed: int | None = None, *,
+                  failed: ReplicaError | None = None) -> tuple[Plan, int | None]:
     """Rank 0's plan and ``seed`` (the seed a meta model's weights are initialized from), on every
-    rank; every rank's traced graph must be the one the plan was made for."""
-    payload = [plan.to_json() if plan is not None else None, seed]
+    rank; every rank's traced graph must be the one the plan was made for. ``failed``: rank 0's
+    planning error, raised on every rank (the same class and message), so none waits for a
+    plan that never comes."""
+    error = None if failed is None else (type(failed).__name__, str(failed))
+    payload = [plan.to_json() if plan is not None else None, seed, error]
     dist.broadcast_object_list(payload, src=0)
+    if payload[2] is not None:
+        if failed is not None:
+            raise failed
+        kind, message = payload[2]
+        raise getattr(errors, kind, ReplicaError)(f"{message} (rank 0 planned for every rank)")
     agreed = Plan.from_json(payload[0])
     seed = payload[1]
     mine = fingerprint(traced.graph)

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from replica.errors import PartitionError, ScheduleError
+from replica.errors import ConfigError, PartitionError, ScheduleError
 from replica.layout import TUNED_SCHEDULES, Layout, schedule_kind
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
@@ -193,6 +193,7 @@ def tune(
     recompute: Sequence[bool] = (False, True),
     shardings: Sequence[str] = ("none",),
     tensor_parallel_sizes: Sequence[int] = (1,),
+    shard_groups: Callable[[int, int], Sequence[int]] = lambda replicas, ranks_per_replica: (replicas,),
     options: PlannerOptions = PlannerOptions(),
 ) -> tuple[Plan, list[Candidate]]:
     """Search the layouts of ``world_size`` devices for the fastest that fits a global ``batch``.
@@ -202,8 +203,10 @@ def tune(
     cut's stages are read: their times and memory); ``lay_out(plan, layout, schedule)`` gives that plan's
     memory and collectives in ``layout`` (see :func:`_evaluate`). Both settings of activation
     ``recompute`` given are tried, and each of ``shardings`` (:data:`replica.layout.SHARDINGS`)
-    where the layout allows it: more than one replica, a schedule that does not split backward,
-    no tensor parallelism; and each of ``tensor_parallel_sizes`` that divides the world.
+    where the layout allows it: more than one replica and a schedule that does not split backward,
+    each sharded one in the shard groups ``shard_groups(replicas, ranks per replica)`` gives (HSDP
+    where a group is smaller than the replicas); and each of ``tensor_parallel_sizes`` that
+    divides the world.
     Returns the best plan (with ``predicted_step_time_s``, its layout and the alternatives
     filled in) and the candidates simulated, best first. Raises ``PartitionError`` naming the
     world that would fit.
@@ -233,11 +236,13 @@ def tune(
             stages = ranks * kind.stages_per_rank
             if (ranks == 1 and stages > 1) or stages > num_ops or (num_stages is not None and stages != num_stages):
                 continue
-            for sharding in shardings:
-                if sharding != "none" and (replicas == 1 or kind.splits_backward or tp > 1):
+            for sharding, group in ((s, g) for s in shardings
+                                    for g in ((None,) if s == "none" else shard_groups(replicas, ranks * tp))):
+                if sharding != "none" and (replicas == 1 or kind.splits_backward):
                     continue
                 layout = Layout(schedule=name, num_stages=stages, pipeline_ranks=ranks, data_parallel_size=replicas,
-                                tensor_parallel_size=tp, sharding=sharding)
+                                tensor_parallel_size=tp, sharding=sharding,
+                                shard_group_size=None if group in (None, replicas) else group)
                 for again in recompute:
                     for m in _microbatch_choices(batch // replicas, ranks, num_microbatches, stages,
                                                  options.max_simulated_actions):
@@ -287,6 +292,16 @@ def tune(
         return c.step_time_s
 
     fitting = sorted((c for c in candidates if c.fits), key=step_time)
+    if not candidates and num_stages is not None:
+        divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
+        raise ConfigError(
+            f"num_stages={num_stages} fits no layout of {world_size} devices the planner may use"
+            + (f" with data_parallel_size={data_parallel_size}" if data_parallel_size else "")
+            + f": with one stage per rank, world_size = num_stages × data-parallel replicas × tensor-parallel ranks "
+            f"(a stage needs at least one of the model's {num_ops} ops, and the replicas must divide the batch of "
+            f"{batch}); interleaved schedules put several stages on each rank, zb-v two. Use num_stages in "
+            f"{[k for k in divisors if k <= num_ops]}, a named schedule, or leave num_stages to the planner"
+        )
     if not candidates:
         raise PartitionError(
             f"no way to lay out {world_size} devices as pipeline ranks x data-parallel replicas: a pipeline of P "

@@ -81,8 +81,8 @@ class Trainer:
         if keep_freed_memory:  # asked for: process-wide, for the rest of the process (runtime/heap.py)
             heap.keep_freed_memory()
         self._on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        if config.device is not None and not self._on_meta:  # a meta model's stages land where auto_parallel puts them
-            device = torch.device(config.device)
+        if config.model_device is not None and not self._on_meta:  # a meta model's stages: where auto_parallel puts them
+            device = config.model_device
             if device.type == "cuda" and device.index is None and _distributed():
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             model.to(device)  # parameters stay the same objects: the optimizer still points at them
@@ -127,21 +127,11 @@ class Trainer:
                                  metrics_file=c.metrics_file)
 
     # --- the pipeline ----------------------------------------------------------------------
-    def _replicas_asked(self) -> int | None:
-        """The data-parallel replicas to ask auto_parallel for: as configured; under torchrun
-        none (one stage per rank) unless num_stages leaves some (None: the planner's)."""
-        c = self.config
-        if self.world_size == 1:
-            return None
-        if c.data_parallel_size is None and c.num_stages is None:
-            return 1
-        return c.data_parallel_size
-
     def _meta_device(self) -> torch.device:
         """Where this rank's stages of a meta model will be materialized (config.device must agree)."""
         device, asked = stage_device(self.world_size), self.config.device
-        if asked is not None:
-            want = torch.device(asked)
+        want = self.config.model_device
+        if want is not None:
             if want.type != device.type or (want.index is not None and want.index != device.index):
                 where = "this rank's current GPU under NCCL" if device.type == "cuda" else "the CPU (one process, gloo)"
                 raise ConfigError(
@@ -167,13 +157,11 @@ class Trainer:
         materialize: dict[str, Any] = {}
         if self._on_meta:
             materialize = {"init": self._init, "weights": checkpoint if checkpoint is not None else self._weights}
-        pm = auto_parallel(self.model, args, example_kwargs=kwargs, num_stages=c.num_stages,
-                           num_microbatches=c.num_microbatches, schedule=c.schedule, loss_fn=self.loss,
-                           loss_reduction=self.loss_reduction,
-                           data_parallel_size=self._replicas_asked(), mixed_precision=c.precision,
-                           sharded_data_parallel=c.sharded_data_parallel,
-                           tensor_parallel_size=c.tensor_parallel_size,
-                           timeout_s=c.timeout_s, **materialize)
+        planning = c.planning()
+        if c.model_device is not None:  # the model was moved there: priced as where it runs
+            planning["device"] = None
+        pm = auto_parallel(self.model, args, example_kwargs=kwargs, loss_fn=self.loss,
+                           loss_reduction=self.loss_reduction, timeout_s=c.timeout_s, **materialize, **planning)
         # fp16 steps through a loss scaler whose inf checks every rank shares
         self.scaler = GradScaler(device=pm.device, timeout_s=c.timeout_s) if c.precision == "fp16" else None
         held = dict(pm.named_parameters())

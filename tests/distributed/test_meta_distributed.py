@@ -262,15 +262,16 @@ def _meta_trainer_resumes(directory: str) -> dict:
 
 
 def two_rank_job(rank: int, world: int, directory: str) -> bytes:
-    return pickle.dumps({"llama": _like_materialize(_llama(), num_stages=2, num_microbatches=2),
-                         "unet": _like_materialize(_unet(), num_stages=2, num_microbatches=4),
+    return pickle.dumps({"llama": _like_materialize(_llama(), num_stages=2, num_microbatches=2, schedule="1f1b"),
+                         "unet": _like_materialize(_unet(), num_stages=2, num_microbatches=4, schedule="1f1b"),
                          "trainer": _meta_trainer_resumes(directory)})
 
 
 def four_rank_job(rank: int, world: int) -> bytes:
     return pickle.dumps({"tiny_gpt": pickle.loads(meta_job(rank, world, 2)),
-                         "llama": _like_materialize(_llama(), num_stages=2, data_parallel_size=2, num_microbatches=2),
-                         "unet": _like_materialize(_unet(), num_stages=4, num_microbatches=4)})
+                         "llama": _like_materialize(_llama(), num_stages=2, data_parallel_size=2, num_microbatches=2,
+                                                    schedule="1f1b"),
+                         "unet": _like_materialize(_unet(), num_stages=4, num_microbatches=4, schedule="1f1b")})
 
 
 def test_llama_unet_and_a_resumed_meta_trainer_on_two_ranks(tmp_path) -> None:
