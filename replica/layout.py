@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from replica.errors import ConfigError
 
 __all__ = ["ScheduleKind", "SCHEDULE_KINDS", "schedule_kind", "schedule_names", "TUNED_SCHEDULES", "SHARDINGS",
-           "Layout", "Coordinates"]
+           "MESH_DIMS", "Layout", "Coordinates"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
 )}
 TUNED_SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_KINDS)
 SHARDINGS = ("none", "zero3", "zero2")  # Layout.sharding
+MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")  # Layout.mesh_shape's names, outermost first
 
 
 def schedule_names(auto: bool = False) -> list[str]:
@@ -118,6 +119,10 @@ class Layout:
     # and optimizer state sharded, weights gathered for each forward and backward) or
     # "zero2" (the same, the gathered weights kept from forward to backward)
     sharding: str = "none"
+    # HSDP: the ranks of each FSDP shard group; the data-parallel replicas beyond it hold whole
+    # copies of their group's shards (FSDP2's 2-D (replicate, shard) mesh). None: every replica
+    # is in one shard group (plain FSDP). Only with sharding.
+    shard_group_size: int | None = None
 
     def __post_init__(self) -> None:
         kind = schedule_kind(self.schedule)
@@ -135,12 +140,19 @@ class Layout:
                 f"{kind.name!r} yet: FSDP reduces a weight's gradient when autograd makes it, before a deferred "
                 "W action. Use gpipe, 1f1b or interleaved with sharding"
             )
-        if self.tensor_parallel_size > 1 and self.sharded:
-            raise ConfigError(
-                f"sharded data parallelism (sharding={self.sharding!r}) with tensor_parallel_size="
-                f"{self.tensor_parallel_size} is not built yet (FSDP2 over a 2-D mesh): use sharding='none' "
-                "with tensor parallelism, or tensor_parallel_size=1 with sharding"
-            )
+        if self.shard_group_size is not None:
+            _positive("shard_group_size", self.shard_group_size)
+            d, g = self.data_parallel_size, self.shard_group_size
+            if not self.sharded:
+                raise ConfigError(
+                    f"shard_group_size={g} groups the replicas that shard their stages (HSDP), but this layout does "
+                    "not shard (sharding='none'); use sharded_data_parallel=True (or 'zero3' / 'zero2'), or drop "
+                    "shard_group_size")
+            if d % g:
+                raise ConfigError(
+                    f"shard_group_size={g} does not divide the {d} data-parallel replicas: each shard group holds "
+                    f"{g} of them and the groups replicate each other. Use shard_group_size in "
+                    f"{[k for k in range(1, d + 1) if d % k == 0]}")
         kind.check_stages(self.num_stages, self.pipeline_ranks)
 
     @property
@@ -159,9 +171,28 @@ class Layout:
     def sharded(self) -> bool:
         return self.sharding != "none"
 
+    @property
+    def dp_shard(self) -> int:
+        """Replicas per FSDP shard group (1 without sharding)."""
+        if not self.sharded:
+            return 1
+        return self.shard_group_size or self.data_parallel_size
+
+    @property
+    def dp_replicate(self) -> int:
+        """Shard groups that replicate each other (the replicas themselves without sharding)."""
+        return self.data_parallel_size // self.dp_shard
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        """The world as one mesh, ``MESH_DIMS`` named: row-major, so a rank's coordinates are
+        :meth:`coordinates`'s (tensor-parallel ranks innermost, neighbours on one node)."""
+        return (self.dp_replicate, self.dp_shard, self.pipeline_ranks, self.tensor_parallel_size)
+
     def describe(self) -> str:
+        hsdp = f", HSDP {self.dp_replicate} x {self.dp_shard}" if self.sharded and self.dp_replicate > 1 else ""
         return (f"{self.pipeline_ranks} pipeline x {self.data_parallel_size} data"
-                + (f" ({self.sharding} sharded)" if self.sharded else "")
+                + (f" ({self.sharding} sharded{hsdp})" if self.sharded else "")
                 + (f" x {self.tensor_parallel_size} tensor" if self.tensor_parallel_size > 1 else "")
                 + f", {self.num_stages} stages, {self.schedule}")
 

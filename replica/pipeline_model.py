@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -11,24 +13,30 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from replica.amp import GradScaler
 from replica.errors import ConfigError, PipelineError
 from replica.parallel.fsdp import full_tensor
-from replica.parallel.tensor_parallel import shard_stage_tensors, tensor_parallel_groups
+from replica.parallel.mesh import ParallelMesh, build_mesh
+from replica.parallel.parallelize import parallelize
 from replica.partition.modes import following, frozen_mode_ops
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule, split
 from replica.partition.trace import Traced
 from replica.precision import ambient_autocast, autocast_dtype
 from replica.runtime import microbatch
-from replica.runtime.distributed import DistributedRuntime, Topology
-from replica.runtime.executor import sending_input_grads
+from replica.runtime.distributed import DistributedRuntime
 from replica.runtime.local import LocalRuntime, LossFn
 from replica.runtime.shapes import ShapeOracle
-from replica.schedules.schedule import placement, plan_schedule, splits_backward  # plan_schedule: re-exported
+from replica.schedules.schedule import plan_schedule  # plan_schedule: re-exported
 from replica.schedules.simulate import Timeline
 from replica.stage.batchnorm import defer_batchnorm
-from replica.stage.remat import rebuildable_norms
-from replica.stage.weightgrad import defer_linear_weight_grads
 
-__all__ = ["PipelineModel", "plan_schedule"]
+__all__ = ["PipelineModel", "plan_schedule", "released"]
+
+# the models whose remote stages' weights a distributed PipelineModel freed on this rank
+_RELEASED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def released(model: torch.nn.Module) -> bool:
+    """Whether a distributed pipeline on this rank freed the weights ``model`` holds for other ranks."""
+    return model in _RELEASED
 
 
 def _distributed() -> bool:
@@ -74,45 +82,29 @@ class PipelineModel:
                 f"across processes; launch {plan.layout.world_size} of them with torchrun, or plan with "
                 "tensor_parallel_size=1"
             )
+        mesh: ParallelMesh | None = None
         if distributed:
-            if plan.layout.world_size != dist.get_world_size():
-                raise ConfigError(
-                    f"the plan lays out {plan.layout.world_size} processes ({plan.layout.describe()}) but this "
-                    f"process group has {dist.get_world_size()}; re-plan for this world"
-                )
-            topology = Topology(plan.layout, dist.get_rank())
             if device is None:  # a materialized meta model names its own: the rest of it stays on meta
                 device = next(model.parameters()).device
+            mesh = build_mesh(plan.layout, device.type, datetime.timedelta(seconds=timeout_s))
             boundary = [b.name for s in plan.stages for b in s.outputs]
             sharded = plan.layout.sharded and plan.data_parallel_size > 1  # gathers weights in autocast's dtype
             # made before any stage is cut: it prices the plain graph on meta / fake copies
             oracle = ShapeOracle(traced.module, boundary, device, traced.out_spec,
                                  param_dtype=autocast_dtype(self.precision) if sharded else None)
-            if tp > 1 and plan.tensor_parallel:
-                self._cut_tensor_parallel(plan, topology, device, timeout_s)
-        # linear weight gradients can wait: for their W action, or until the input gradients
-        # left. A stage that sends no input gradient (the first) keeps autograd's own linears:
-        # the rewrite would only cost it (about 3% of its step, benchmarks/RESULTS.md).
-        deferring: set[int] = set()
-        if splits_backward(self.schedule):
-            deferring = {s.stage_index for s in self.all_stages}
-        elif distributed and plan.early_input_grads and not plan.layout.sharded:  # FSDP reduces in B
-            deferring = sending_input_grads(self.all_stages, placement(self.schedule))
-        for stage in self.all_stages:
-            if stage.stage_index in deferring:
-                defer_linear_weight_grads(stage.module)
-        if plan.pointwise_recompute or plan.rebuilds:
-            for stage in self.all_stages:  # norms that note their eps, so that their outputs can be rebuilt
-                rebuildable_norms(stage.module)
+        # the one ordered step: TP -> stage rewrites -> (activation checkpointing, compile) -> FSDP2
+        flags = parallelize(self.all_stages, plan, self.schedule, mesh, canonical=self._canonical)
+        self.mesh = mesh
         self.runtime: LocalRuntime | DistributedRuntime
-        if distributed:
-            self.runtime = DistributedRuntime(self.all_stages, self.schedule, plan, topology, oracle,
+        if mesh is not None:
+            assert device is not None
+            self.runtime = DistributedRuntime(self.all_stages, self.schedule, plan, mesh, flags, oracle,
                                               timeout_s=timeout_s, device=device, recompute=plan.recompute,
                                               precision=self.precision)
             self.stages = [s for s in self.all_stages if s.stage_index in self.runtime.stages]
-            self.pipeline_rank = topology.pipeline_rank
-            self.data_parallel_rank = topology.data_parallel_rank
-            self.tensor_parallel_rank = topology.tensor_parallel_rank
+            self.pipeline_rank = mesh.pipeline_rank
+            self.data_parallel_rank = mesh.data_parallel_rank
+            self.tensor_parallel_rank = mesh.tensor_parallel_rank
             self._release_remote_weights()
         else:
             self.runtime = LocalRuntime(self.all_stages, self.schedule, recompute=plan.recompute,
@@ -129,27 +121,10 @@ class PipelineModel:
                 if p.is_floating_point() and p.dtype != grad_dtype:
                     p.grad_dtype = grad_dtype  # autograd and the deferred W accumulate in it
 
-    def _cut_tensor_parallel(self, plan: Plan, topology: Topology, device: torch.device, timeout_s: float) -> None:
-        """Cut the plan's tensor-parallel blocks of this rank's stages over its tensor-parallel
-        group (DTensor shards of their parameters, parallel/tensor_parallel.py). Every rank
-        makes every group, in one order; only its own pipeline position's stages are cut."""
-        import datetime
-
-        from torch.distributed.device_mesh import DeviceMesh
-
-        group = tensor_parallel_groups(plan.layout, topology.rank, datetime.timedelta(seconds=timeout_s))
-        mesh = DeviceMesh.from_group(group, device.type)
-        place = placement(self.schedule)
-        made: dict[int, torch.nn.Parameter] = {}
-        for stage in self.all_stages:
-            if place[stage.stage_index] == topology.pipeline_rank:
-                shard_stage_tensors(stage.module, plan.tensor_parallel, mesh, self._canonical, made)
-        self.tensor_parallel_mesh = mesh
-
     def _release_remote_weights(self) -> None:
         """Free the storage of every weight no local stage reads: a rank holds only its stages."""
         mine = {id(t) for s in self.stages for t in [*s.module.parameters(), *s.module.buffers()]}
-        self.model._replica_released = True  # type: ignore[assignment]  # auto_parallel refuses it again
+        _RELEASED.add(self.model)  # auto_parallel refuses it again; nothing is written onto the model
         for t in [*self.model.parameters(), *self.model.buffers()]:
             if id(t) not in mine:
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)

@@ -30,7 +30,7 @@ import torch.fx as fx
 from replica.errors import ConfigError
 from replica.partition.mutation import is_view, mutates_first_argument
 
-__all__ = ["block_groups", "shard_stage", "set_last_backward", "local_tensor", "full_tensor", "shard_like",
+__all__ = ["block_groups", "shard_stage", "set_last_backward", "reshard", "local_tensor", "full_tensor", "shard_like",
            "drop_dtype_asserts"]
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # the first "<container>.<index>" of a module path
@@ -118,11 +118,33 @@ def shard_stage(module: fx.GraphModule, mesh: Any, *, reshard_after_forward: boo
     groups = block_groups(module)
     policy = MixedPrecisionPolicy() if gather_dtype is None else \
         MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=torch.float32)
+    extra = {"shard_placement_fn": _shard_placement} if _takes_placement_fn(fully_shard) else {}
     for paths in groups.values():
         fully_shard([module.get_submodule(p) for p in paths], mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+                    mp_policy=policy, **extra)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, **extra)
     return len(groups) + 1
+
+
+def _takes_placement_fn(fully_shard: Any) -> bool:
+    import inspect
+
+    try:
+        return "shard_placement_fn" in inspect.signature(fully_shard).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _shard_placement(param: torch.nn.Parameter) -> Any:
+    """FSDP2's dim for a parameter: dim 0 (its default), except for a tensor-parallel weight
+    held part by part along dim 0 (a fused q/k/v projection's ``_StridedShard``), which FSDP
+    cannot shard along that dim again exactly: dim 1 (2-D FSDP x TP)."""
+    from torch.distributed.tensor import Shard
+
+    for placement in getattr(param, "placements", ()):
+        if getattr(placement, "split_factor", 1) > 1 and param.dim() > 1:
+            return Shard(1) if placement.dim == 0 else Shard(0)
+    return None
 
 
 def drop_dtype_asserts(module: fx.GraphModule) -> int:
@@ -163,6 +185,15 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
     return distribute_tensor(full.to(device=local_tensor(like).device, dtype=like.dtype), mesh, like.placements,
                              src_data_rank=None)
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """Free every FSDP unit's gathered weights under ``module`` (a stage): its parameters are
+    the local shards again (zero2 keeps them gathered after a forward without a backward)."""
+    for unit in module.modules():
+        free = getattr(unit, "reshard", None)
+        if callable(free) and hasattr(unit, "set_requires_gradient_sync"):  # an FSDPModule
+            free()
 
 
 def set_last_backward(module: torch.nn.Module, last: bool) -> None:

@@ -33,7 +33,7 @@ from replica.errors import ConfigError
 from replica.parallel.fsdp import drop_dtype_asserts
 from replica.partition.tensor_parallel import ShardedBlock
 
-__all__ = ["shard_stage_tensors", "tensor_parallel_groups", "match_grad_placements", "split"]
+__all__ = ["shard_stage_tensors", "match_grad_placements", "split"]
 
 _IN, _OUT = "_replica_tp_in", "_replica_tp_out"
 
@@ -194,11 +194,12 @@ def _shard_parameters(module: fx.GraphModule, dims: dict[str, int | None], canon
 
 def shard_stage_tensors(module: fx.GraphModule, blocks: Sequence[ShardedBlock], mesh: Any,
                         canonical: dict[str, str] | None = None,
-                        made: dict[int, torch.nn.Parameter] | None = None) -> int:
+                        made: dict[int, torch.nn.Parameter] | None = None, *, fsdp_next: bool = False) -> int:
     """Cut ``module``'s share of ``blocks`` over ``mesh`` (the stage's tensor-parallel group),
     in place: parameters become DTensor shards, the graph converts at the blocks' borders.
     ``made``: pass one dict to every stage of a rank (a tied weight two of them hold stays one
-    parameter). Returns how many of the stage's nodes compute on shards."""
+    parameter). ``fsdp_next``: FSDP2 will shard the stage next (2-D). Returns how many of the
+    stage's nodes compute on shards."""
     # the ops (a value received from another stage keeps its maker's name: it enters whole)
     names = {n.name for n in module.graph.nodes if n.op in ("call_module", "call_function", "call_method")}
     inside = {n for b in blocks for n in b.nodes} & names
@@ -213,6 +214,12 @@ def shard_stage_tensors(module: fx.GraphModule, blocks: Sequence[ShardedBlock], 
                 name = f"{n.target}.{field}"
                 dims.setdefault(canonical.get(name, name), None)
     strided = {p: k for b in blocks if set(b.nodes) & inside for p, k in b.strided}
+    if fsdp_next:  # FSDP2 mis-describes a 1-D tensor it shards again along the dim TP holds part by part
+        # (a fused q/k/v bias): keep such a bias whole on each rank of the group (exact; its
+        # gradient all-reduced over the group, a few bytes)
+        for name in [n for n in strided if _vector(module, n, canonical)]:
+            dims[name] = None
+            del strided[name]
     _shard_parameters(module, dims, canonical, mesh, {} if made is None else made, strided)
     drop_dtype_asserts(module)  # export's dtype checks have no sharding rule (they compute nothing)
     module.add_module(_IN, ToReplicated(mesh))
@@ -249,6 +256,14 @@ def shard_stage_tensors(module: fx.GraphModule, blocks: Sequence[ShardedBlock], 
     return len(inside)
 
 
+def _vector(module: torch.nn.Module, name: str, canonical: dict[str, str]) -> bool:
+    """Whether the parameter ``name`` (canonical) of ``module`` is 1-D."""
+    for path, p in module.named_parameters(remove_duplicate=False):
+        if canonical.get(path, path) == name:
+            return p.dim() == 1
+    return False
+
+
 def _attr(module: torch.nn.Module, target: str) -> Any:
     path, _, field = target.rpartition(".")
     return getattr(module.get_submodule(path), field)
@@ -261,19 +276,3 @@ def match_grad_placements(params: Iterable[torch.nn.Parameter]) -> None:
         g = p.grad
         if g is not None and _is_dtensor(p) and _is_dtensor(g) and tuple(g.placements) != tuple(p.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)
-
-
-def tensor_parallel_groups(layout: Any, rank: int, timeout: Any) -> Any:
-    """Every stage's tensor-parallel group, made in the same order on every rank
-    (``new_group`` is collective); returns this rank's."""
-    import torch.distributed as dist
-
-    t, mine = layout.tensor_parallel_size, None
-    coords = layout.coordinates(rank)
-    for dp in range(layout.data_parallel_size):
-        for pp in range(layout.pipeline_ranks):
-            members = [layout.global_rank(pp, dp, k) for k in range(t)]
-            group = dist.new_group(members, timeout=timeout)
-            if (dp, pp) == (coords.data_parallel_rank, coords.pipeline_rank):
-                mine = group
-    return mine

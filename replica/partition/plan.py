@@ -172,6 +172,14 @@ class Plan:
     def stages_per_rank(self) -> int:
         return self.layout.stages_per_rank
 
+    @property
+    def sends_input_grads_early(self) -> bool:
+        """Whether a backward that sends an input gradient to another rank sends it before
+        computing its weight gradients: the plan's choice (``early_input_grads``), never where
+        sharded replicas reduce gradients inside the backward (FSDP2) or the schedule has W
+        actions of its own. The one place this is decided; planner and runtimes read it."""
+        return self.early_input_grads and not self.layout.sharded and not self.layout.kind.splits_backward
+
     # --- derived figures -------------------------------------------------------------
     @property
     def bottleneck_s(self) -> float:

@@ -65,7 +65,7 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
             + (one if plan.recompute else 0),
             forward_fixed_s=min(stage.fixed_forward_s, forward),
             backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
-            input_grad_share=1 - WEIGHT_SHARE if plan.early_input_grads and not split else 1.0,
+            input_grad_share=1 - WEIGHT_SHARE if plan.sends_input_grads_early and not split else 1.0,
         ))
     return costs
 

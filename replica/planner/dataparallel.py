@@ -7,6 +7,10 @@ all-gather their weights whenever an action finds them resharded — zero3 resha
 forward and after the step's last backward, zero2 only after the last backward; every other
 backward keeps them gathered — and reduce-scatter their gradients once, after the last backward.
 
+HSDP (``Layout.shard_group_size``): a stage shards over its group of ``g`` replicas (gathers
+and reduce-scatters within the group, ``g × P × t`` consecutive ranks) and all-reduces its
+shard of the gradients (``1 / g`` of them) over the ``d / g`` groups, which span the world.
+
 Bytes: an all-gather moves the stage's weights in the dtype FSDP gathers them in (bf16 under
 bf16 mixed precision, FSDP's ``MixedPrecisionPolicy.param_dtype``; else their own), a
 reduce-scatter or an all-reduce the gradients in the weights' own dtype (fp32 reduction,
@@ -104,8 +108,13 @@ def price_collectives(spec: DeviceSpec, layout: Layout, weights: StageWeights, k
         return Collectives()
     if layout.sharded:
         units = max(1, weights.units)
-        gather = ring_collective_time(spec, weights.gathered_bytes, d, span, calls=units)
-        reduce = ring_collective_time(spec, weights.nbytes, d, span, calls=units)
+        # a shard group of g replicas strides P x t ranks (g x P x t consecutive); under HSDP its
+        # shards are then all-reduced over the r groups, which span the world
+        g, r = layout.dp_shard, layout.dp_replicate
+        shard_span = g * layout.pipeline_ranks * layout.tensor_parallel_size
+        gather = ring_collective_time(spec, weights.gathered_bytes, g, shard_span, calls=units)
+        reduce = ring_collective_time(spec, weights.nbytes, g, shard_span, calls=units) + \
+            ring_collective_time(spec, weights.nbytes / g, r, span, passes=2, calls=units)
         per_action = [(gather * gathers + reduce * last, gathers)
                       for gathers, last in _actions(kinds, layout.sharding)]
         heads = [comm / units for comm, _ in per_action]
@@ -136,7 +145,7 @@ def with_collectives(plan: Plan, layout: Layout, schedule: Sequence[Sequence[Act
     stages = []
     for st in plan.stages:
         k = st.stage_index
-        early = plan.early_input_grads and k > 0 and where[k - 1] != where[k]  # as the executor arms its reducer
+        early = plan.sends_input_grads_early and k > 0 and where[k - 1] != where[k]  # as the executor arms its reducer
         c = price_collectives(spec, layout, weights[k], kinds.get(k, ()), st.forward_time_s / m,
                               st.backward_time_s / m, hooked=WEIGHT not in kinds.get(k, ()) and not early)
         stages.append(dataclasses.replace(st, collective_s=c.total_s, exposed_collective_s=c.exposed_s,

@@ -12,7 +12,14 @@ from torch.utils._pytree import tree_leaves
 from replica.errors import ConfigError
 from replica.layout import Layout
 from replica.partition.autocast import autocast_graph, target_device_type
-from replica.partition.cost import CostModel, DeviceSpec, TensorParallelCosts, device_spec, preset_for_cuda_device
+from replica.partition.cost import (
+    CostModel,
+    DeviceSpec,
+    TensorParallelCosts,
+    device_spec,
+    preset_for_cuda_device,
+    torch_device_of,
+)
 from replica.partition.graph import Graph
 from replica.partition.partitioner import MemoryModel, fsdp_unit, partition, reshard
 from replica.partition.plan import Plan
@@ -107,7 +114,8 @@ class Pricing:
         self.graph = autocast_graph(traced, model, target_device_type(self.spec), precision, real=real)
         self.measured: dict[Any, Any] = {}
         self.measured_fraction = 1.0
-        if cost == "profile" or (cost == "auto" and real and device is None and num_stages_hint > 1):
+        here = device is None or torch_device_of(device) is not None  # priced as the device the model runs on
+        if cost == "profile" or (cost == "auto" and real and here and num_stages_hint > 1):
             # Time each op on one micro-batch where the model lives: what the stages will run.
             m = min(self.batch, num_microbatches or default_microbatches(self.batch, num_stages_hint))
             sample = microbatch.split(inputs, m, "example_inputs")[0]
@@ -189,14 +197,16 @@ class Pricing:
                          tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size))
 
     def memory_model_for(self, layout: Layout, recompute: bool) -> MemoryModel:
-        """What a stage of ``layout`` keeps: sharded over its replicas where the layout shards."""
+        """What a stage of ``layout`` keeps: sharded over its shard group where the layout shards
+        (every replica, or ``shard_group_size`` of them under HSDP)."""
         return dataclasses.replace(self.memory_model, recompute=recompute, sharding=layout.sharding,
-                                   shards=layout.data_parallel_size)
+                                   shards=layout.dp_shard)
 
     def reshard(self, plan: Plan, layout: Layout) -> Plan:
-        """``plan``, cut unsharded, with its stages' memory as ``layout``'s sharding holds it."""
-        return reshard(self.graph_for(layout.tensor_parallel_size), plan,
-                       self.memory_model_for(layout, plan.recompute))
+        """``plan``, cut unsharded, laid out as ``layout``: its stages' memory as that sharding
+        holds it, and ``layout`` its own (what it sends early, how it reduces, follows from it)."""
+        held = reshard(self.graph_for(layout.tensor_parallel_size), plan, self.memory_model_for(layout, plan.recompute))
+        return dataclasses.replace(held, layout=layout)
 
     def stage_weights(self, parameter_names: tuple[str, ...], tensor_parallel_size: int = 1) -> StageWeights:
         """What a stage holding ``parameter_names`` moves in its collectives: one

@@ -10,21 +10,20 @@ posts one step's share of this rank.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from replica.errors import PipelineError
-from replica.layout import Layout
-from replica.parallel.fsdp import local_tensor, shard_stage
+from replica.parallel.fsdp import local_tensor, reshard
 from replica.parallel.gradsync import ReplicaReducer
+from replica.parallel.mesh import ParallelMesh
+from replica.parallel.parallelize import StageFlags
 from replica.parallel.tensor_parallel import match_grad_placements
 from replica.partition.plan import Plan
 from replica.partition.split import StageModule
-from replica.precision import ambient_autocast, autocast_dtype, autocast_for
+from replica.precision import ambient_autocast, autocast_for
 from replica.runtime import p2p
 from replica.runtime.clock import timing
 from replica.runtime.executor import Executor, LossFn, Step, StepResult
@@ -33,54 +32,9 @@ from replica.runtime.shapes import ShapeOracle
 from replica.schedules.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from replica.schedules.simulate import Event, Timeline
 
-__all__ = ["Topology", "DistributedRuntime"]
+__all__ = ["DistributedRuntime"]
 
 _AUTOCAST_TAG = 1  # the autocast check's messages; a step's are all tag 0 (runtime/mailbox.py)
-
-
-@dataclass(frozen=True)
-class Topology:
-    """This process's place in a :class:`~replica.layout.Layout`, which does the arithmetic."""
-
-    layout: Layout
-    rank: int
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
-
-    @property
-    def num_pipeline_ranks(self) -> int:
-        return self.layout.pipeline_ranks
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.layout.data_parallel_size
-
-    @property
-    def pipeline_rank(self) -> int:
-        return self.layout.coordinates(self.rank).pipeline_rank
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.layout.coordinates(self.rank).data_parallel_rank
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.layout.tensor_parallel_size
-
-    @property
-    def tensor_parallel_rank(self) -> int:
-        return self.layout.coordinates(self.rank).tensor_parallel_rank
-
-    def global_rank(self, pipeline_rank: int, data_parallel_rank: int | None = None,
-                    tensor_parallel_rank: int | None = None) -> int:
-        """The process at ``pipeline_rank`` of replica ``data_parallel_rank`` (default: this
-        one's), at tensor-parallel coordinate ``tensor_parallel_rank`` (default: this one's:
-        the pipeline's messages go between ranks of the same coordinate)."""
-        dp = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
-        tp = self.tensor_parallel_rank if tensor_parallel_rank is None else tensor_parallel_rank
-        return self.layout.global_rank(pipeline_rank, dp, tp)
 
 
 class DistributedRuntime:
@@ -95,7 +49,8 @@ class DistributedRuntime:
         stages: Sequence[StageModule],
         schedule: Schedule,
         plan: Plan,
-        topology: Topology,
+        mesh: ParallelMesh,
+        flags: StageFlags,
         oracle: ShapeOracle,
         *,
         timeout_s: float,
@@ -103,16 +58,16 @@ class DistributedRuntime:
         recompute: bool = False,
         precision: str = "fp32",
     ) -> None:
-        self.topology = topology
+        self.topology = mesh  # where this rank sits, and the groups of its layout
         self.plan = plan
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
         self.oracle = oracle
-        me = topology.pipeline_rank
-        self.sharded = plan.layout.sharded and topology.data_parallel_size > 1
+        me = mesh.pipeline_rank
+        self.sharded = flags.sharded
         self.executor = Executor(stages, schedule, {me}, recompute=recompute, pointwise=plan.pointwise_recompute,
-                                 rebuilds=plan.rebuilds, early_input_grads=plan.early_input_grads and not self.sharded,
-                                 replica=topology.data_parallel_rank, precision=precision, sharded=self.sharded)
+                                 rebuilds=plan.rebuilds, early_input_grads=flags.early_input_grads,
+                                 replica=mesh.data_parallel_rank, precision=precision, sharded=flags.sharded)
         self.place = self.executor.place
         self.actions = self.executor.actions
         self.stages = self.executor.stages
@@ -120,15 +75,9 @@ class DistributedRuntime:
         self.parameters = self._local_parameters()
         self._autocast_agreed: int | None = None  # the autocast every rank last agreed on
         self._make_groups()
-        if self.sharded:  # FSDP2 over each stage's data-parallel group; its parameters become DTensor shards
-            mesh = DeviceMesh.from_group(self.data_parallel_group, device.type)
-            for k in sorted(self.stages):
-                shard_stage(self.stages[k].module, mesh, reshard_after_forward=plan.layout.sharding == "zero3",
-                            gather_dtype=autocast_dtype(precision))
-            self.parameters = self._local_parameters()
         self.messages = {train: self._message_order(schedule, train) for train in (True, False)}
-        greet_peers(self.messages[True] + self.messages[False], me=topology.pipeline_rank, rank=topology.rank,
-                    global_rank=topology.global_rank, device=device, wait=self._wait)
+        greet_peers(self.messages[True] + self.messages[False], me=mesh.pipeline_rank, rank=mesh.rank,
+                    global_rank=mesh.global_rank, device=device, wait=self._wait)
 
     # --- set-up ------------------------------------------------------------------------
     def _local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -141,24 +90,14 @@ class DistributedRuntime:
         return list(seen.values())
 
     def _make_groups(self) -> None:
-        """Process groups, created in the same order on every rank (``new_group`` is collective):
-        one per tensor-parallel coordinate of each pipeline, replica set and tied weight."""
-        topo, P, D = self.topology, self.topology.num_pipeline_ranks, self.topology.data_parallel_size
-        T, me_tp = topo.tensor_parallel_size, topo.tensor_parallel_rank
+        """The groups this rank's collectives use: slices of the world's mesh (one replica's
+        pipeline, every replica of its stages), and one per tied weight, made in the same
+        order on every rank (``new_group`` is collective)."""
+        topo, D = self.topology, self.topology.data_parallel_size
+        T = topo.tensor_parallel_size
         sharded = self.sharded
-        self.pipeline_group = None
-        for dp in range(D):
-            for tp in range(T):
-                group = dist.new_group([topo.global_rank(r, dp, tp) for r in range(P)], timeout=self.timeout)
-                if (dp, tp) == (topo.data_parallel_rank, me_tp):
-                    self.pipeline_group = group
-        self.data_parallel_group = None
-        if D > 1:
-            for r in range(P):
-                for tp in range(T):
-                    group = dist.new_group([topo.global_rank(r, dp, tp) for dp in range(D)], timeout=self.timeout)
-                    if (r, tp) == (topo.pipeline_rank, me_tp):
-                        self.data_parallel_group = group
+        self.pipeline_group = topo.pipeline_group
+        self.data_parallel_group = topo.data_parallel_group
         # A weight read by stages on several ranks (a tied embedding and head): its
         # gradient is summed over exactly those ranks (of every replica).
         self.tied: list[tuple[Any, list[str]]] = []
@@ -176,8 +115,8 @@ class DistributedRuntime:
             for members in ([[topo.global_rank(r, dp, tp) for r in ranks] for dp in range(D) for tp in range(T)]
                             if sharded else
                             [[topo.global_rank(r, dp, tp) for dp in range(D) for r in ranks] for tp in range(T)]):
-                group = dist.new_group(members, timeout=self.timeout)
-                if topo.rank in members:
+                group = topo.tied_group(members)
+                if group is not None:
                     self.tied.append((group, [name] if name in local else []))
         self.tied_names = {n for _, names in self.tied for n in names}
         # Each stage's gradients are averaged over the replicas as its last backward finishes
@@ -371,6 +310,9 @@ class DistributedRuntime:
                     outputs[action.microbatch_index] = out
         assert step.mail is not None and step.metas is not None
         step.mail.finish()
+        if self.sharded:  # zero2 keeps the weights gathered after a forward: shard them again, so
+            for stage in self.stages.values():  # that the parameters (and their .grad) are the shards
+                reshard(stage.module)
         return [self._broadcast_output(outputs[i], step.metas[i]["output"]) for i in range(m)]
 
     def _broadcast_output(self, out: Any, meta_out: Any) -> Any:

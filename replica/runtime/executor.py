@@ -52,7 +52,7 @@ from replica.stage.batchnorm import recompute_context
 from replica.stage.remat import KINDS, pointwise_recompute
 from replica.stage.weightgrad import WeightGrads, collecting
 
-__all__ = ["Executor", "StepResult", "RandomStreams", "LossFn", "run_stage", "weighted_loss", "sending_input_grads"]
+__all__ = ["Executor", "StepResult", "RandomStreams", "LossFn", "run_stage", "weighted_loss"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -93,12 +93,6 @@ def weighted_loss(loss_fn: LossFn, out: Any, target: Any, weight: float) -> torc
             "; reduce it inside loss_fn (e.g. .mean(), or reduction='mean')"
         )
     return loss.reshape(()) * weight
-
-
-def sending_input_grads(stages: Iterable[StageModule], place: dict[int, int]) -> set[int]:
-    """The stages that send an input gradient to another rank (``place``: stage -> rank):
-    the only ones whose backward gains by sending it before the weight gradients."""
-    return {st.stage_index for st in stages if any(place[src] != place[st.stage_index] for src in st.input_sources)}
 
 
 def _check_agreed(value: torch.Tensor, meta: Any, name: str, stage: int, readers: Sequence[int],

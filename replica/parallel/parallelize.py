@@ -1,0 +1,107 @@
+"""The one ordered step that wraps a rank's stages: tensor parallelism, stage rewrites, then FSDP2.
+
+torchtitan applies its parallelisms to a model in one explicit order; Replica does the same to
+each stage this process runs, after the pipeline split:
+
+1. **tensor parallelism** (:mod:`replica.parallel.tensor_parallel`): the plan's blocks cut over
+   the mesh's ``tp`` slice, parameters becoming DTensor shards;
+2. **stage rewrites** (:mod:`replica.stage`): linears that defer their weight gradients (for a
+   schedule's W actions, or to send input gradients first), norms whose outputs can be rebuilt;
+3. **activation checkpointing** and **compilation** plug in here (their issues), in that order;
+4. **data parallelism**: FSDP2 (``fully_shard`` per block, then the stage) over the mesh's
+   ``dp_shard`` slice, or ``(dp_replicate, dp_shard)`` under HSDP, for sharded replicas; whole
+   replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`).
+
+It also decides, once, what the runtimes read about the stages (:class:`StageFlags`): whether a
+backward sends its input gradient before computing its weight gradients, which stages defer
+their linears' weight gradients, and whether the stage modules are FSDP2 roots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from replica.parallel.fsdp import shard_stage
+from replica.parallel.mesh import ParallelMesh
+from replica.parallel.tensor_parallel import shard_stage_tensors
+from replica.partition.plan import Plan
+from replica.partition.split import StageModule
+from replica.precision import autocast_dtype
+from replica.schedules.actions import placement, splits_backward
+from replica.schedules.schedule import Schedule
+from replica.stage.remat import rebuildable_norms
+from replica.stage.weightgrad import defer_linear_weight_grads
+
+__all__ = ["StageFlags", "stage_flags", "parallelize", "sending_input_grads"]
+
+
+@dataclass(frozen=True)
+class StageFlags:
+    """What the runtimes read about a rank's wrapped stages, decided once.
+
+    ``sharded``: the stage modules are FSDP2 roots (told before each backward whether it is
+    their last of the step). ``early_input_grads``: a backward that sends an input gradient to
+    another process sends it before computing its weight gradients (never where FSDP reduces
+    gradients inside the backward). ``deferring``: the stages whose linears leave their weight
+    gradients for later (every stage under a schedule with W actions; with early input
+    gradients, the stages that send one to another process)."""
+
+    sharded: bool
+    early_input_grads: bool
+    deferring: frozenset[int]
+
+
+def sending_input_grads(stages: Sequence[StageModule], place: dict[int, int]) -> set[int]:
+    """The stages that send an input gradient to a stage on another pipeline rank (``place``:
+    stage -> rank): the only ones whose backward gains by sending it before the weight gradients."""
+    return {s.stage_index for s in stages
+            if any(place[src] != place[s.stage_index] for src in s.input_sources)}
+
+
+def stage_flags(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, distributed: bool) -> StageFlags:
+    """The flags of ``plan``'s stages under ``schedule`` (in one process nothing is sent, so no
+    backward sends early; a schedule with W actions defers every stage's weight gradients)."""
+    sharded = distributed and plan.layout.sharded and plan.data_parallel_size > 1
+    early = distributed and plan.sends_input_grads_early
+    if splits_backward(schedule):
+        deferring = frozenset(s.stage_index for s in stages)
+    elif early:
+        # a stage that sends no input gradient (the first) keeps autograd's own linears: the
+        # rewrite would only cost it (about 3% of its step, benchmarks/RESULTS.md)
+        deferring = frozenset(sending_input_grads(stages, placement(schedule)))
+    else:
+        deferring = frozenset()
+    return StageFlags(sharded=sharded, early_input_grads=early, deferring=deferring)
+
+
+def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, mesh: ParallelMesh | None, *,
+                canonical: dict[str, str]) -> StageFlags:
+    """Wrap the stages this process runs, in place, in the module's order (see its docstring).
+    ``mesh`` None: one process, every stage here, nothing cut or sharded. ``canonical``: a tied
+    weight's aliases to its first name. Returns the :class:`StageFlags` the runtimes read."""
+    flags = stage_flags(stages, plan, schedule, mesh is not None)
+    place = placement(schedule)
+    mine = [s for s in stages if mesh is None or place[s.stage_index] == mesh.pipeline_rank]
+    # 1. tensor parallelism: one dict for every stage of this rank, so that a weight two of
+    # them read (a tied embedding and head) stays one parameter
+    if mesh is not None and plan.layout.tensor_parallel_size > 1 and plan.tensor_parallel:
+        made: dict[int, torch.nn.Parameter] = {}
+        for stage in mine:
+            shard_stage_tensors(stage.module, plan.tensor_parallel, mesh.tensor_parallel_mesh, canonical, made,
+                                fsdp_next=flags.sharded)
+    # 2. stage rewrites: every stage of the split (one process runs all of them)
+    for stage in stages:
+        if stage.stage_index in flags.deferring:
+            defer_linear_weight_grads(stage.module)
+        if plan.pointwise_recompute or plan.rebuilds:
+            rebuildable_norms(stage.module)  # norms that note their eps, so that their outputs can be rebuilt
+    # 3. (activation checkpointing, compilation)
+    # 4. sharded replicas: FSDP2 over the shard slice; their parameters become DTensor shards
+    if mesh is not None and flags.sharded:
+        for stage in sorted(mine, key=lambda s: s.stage_index):
+            shard_stage(stage.module, mesh.sharding_mesh, reshard_after_forward=plan.layout.sharding == "zero3",
+                        gather_dtype=autocast_dtype(plan.precision))
+    return flags
