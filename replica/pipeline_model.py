@@ -87,10 +87,9 @@ class PipelineModel:
             if device is None:  # a materialized meta model names its own: the rest of it stays on meta
                 device = next(model.parameters()).device
             mesh = build_mesh(plan.layout, device.type, datetime.timedelta(seconds=timeout_s))
-            boundary = [b.name for s in plan.stages for b in s.outputs]
             sharded = plan.layout.sharded and plan.data_parallel_size > 1  # gathers weights in autocast's dtype
-            # made before any stage is cut: it prices the plain graph on meta / fake copies
-            oracle = ShapeOracle(traced.module, boundary, device, traced.out_spec,
+            # made before any stage is cut: it runs the plain graph on fake copies
+            oracle = ShapeOracle(traced.module, plan.stages, device, traced.out_spec,
                                  param_dtype=autocast_dtype(self.precision) if sharded else None)
         # the one ordered step: TP -> stage rewrites -> (activation checkpointing, compile) -> FSDP2
         flags = parallelize(self.all_stages, plan, self.schedule, mesh, canonical=self._canonical)

@@ -28,7 +28,7 @@ from replica.runtime import p2p
 from replica.runtime.clock import timing
 from replica.runtime.executor import Executor, LossFn, Step, StepResult
 from replica.runtime.mailbox import Mailbox, greet_peers
-from replica.runtime.shapes import ShapeOracle
+from replica.runtime.shapes import DATA_DEPENDENT, ShapeOracle, TensorMeta
 from replica.schedules.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from replica.schedules.simulate import Event, Timeline
 
@@ -323,11 +323,22 @@ class DistributedRuntime:
         mine = tree_flatten(out)[0] if out is not None else None
         result = []
         for n, leaf in enumerate(leaves):
-            if not isinstance(leaf, torch.Tensor):
+            if leaf is DATA_DEPENDENT:  # a Python value only the last rank knows
+                box = [mine[n] if mine is not None else None]
+                dist.broadcast_object_list(box, last, group=self.pipeline_group)
+                result.append(box[0])
+                continue
+            if not isinstance(leaf, TensorMeta):
                 result.append(mine[n] if mine is not None else leaf)
                 continue
-            buf = mine[n].contiguous() if mine is not None else torch.empty(leaf.shape, dtype=leaf.dtype,
-                                                                            device=self.device)
+            shape = leaf.shape
+            if leaf.dynamic:  # its size depends on the data: the last rank says it first
+                size = torch.tensor(mine[n].shape if mine is not None else [0] * len(shape), dtype=torch.int64,
+                                    device=self.device)
+                self._wait(dist.broadcast(size, last, group=self.pipeline_group, async_op=True),
+                           "the output's shape broadcast", last)
+                shape = tuple(size.tolist())
+            buf = mine[n].contiguous() if mine is not None else leaf.empty(self.device, shape)
             work = dist.broadcast(buf, last, group=self.pipeline_group, async_op=True)
             self._wait(work, "the output broadcast", last)
             result.append(buf)

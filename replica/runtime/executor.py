@@ -99,13 +99,16 @@ def _check_agreed(value: torch.Tensor, meta: Any, name: str, stage: int, readers
                   microbatch: int) -> None:
     """A tensor about to cross to another process must be what both ends agreed before the
     step (its reader's buffer is that shape and dtype): otherwise say so here, before sending."""
-    if isinstance(meta, TensorMeta) and (value.dtype != meta.dtype or tuple(value.shape) != meta.shape):
+    if isinstance(meta, TensorMeta) and (value.dtype != meta.dtype or not meta.agrees(value.shape)):
         raise PipelineError(
             f"stage {stage} made {name!r} of micro-batch {microbatch} as {value.dtype} {tuple(value.shape)}, but "
             f"the ranks agreed before the step that it crosses to stage(s) {list(readers)} as {meta.dtype} "
-            f"{meta.shape}. The step's dtypes were worked out under the autocast in force when it started: "
-            "run every rank's train_step under the same torch.autocast (or pass mixed_precision= to "
-            "auto_parallel), and do not change autocast inside the model's forward based on data"
+            f"{meta.shape} (None: a size that depends on the data). " + (
+                "The step's dtypes were worked out under the autocast in force when it started: run every rank's "
+                "train_step under the same torch.autocast (or pass mixed_precision= to auto_parallel), and do "
+                "not change autocast inside the model's forward based on data" if value.dtype != meta.dtype else
+                "Its shape was worked out from the micro-batch's input shapes on fake tensors: the forward takes "
+                "a size from elsewhere (a Python value or global state that differs from rank to rank)")
         )
 
 
