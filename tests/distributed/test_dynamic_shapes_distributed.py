@@ -62,10 +62,11 @@ def _dynamic_cut(pm: replica.PipelineModel, x: torch.Tensor) -> list[str]:
     return sorted(name for name, m in metas.items() if getattr(m, "dynamic", False) and name != "output")
 
 
-def case_job(rank: int, world: int, layouts: list[tuple[str, int, str]]) -> bytes:
+def case_job(rank: int, world: int, layouts: list[tuple[str, int, str]], edges: bool) -> bytes:
     """Per layout (case, num_stages, schedule): trace on one batch, then train on two others (one
     of another size) and compare every gradient this rank holds, and the loss, with the plain
-    model's on the same batch; then pipelined inference against the plain output."""
+    model's on the same batch; then pipelined inference against the plain output. With
+    ``edges``, then :func:`_edges` (2 ranks)."""
     reports = []
     for name, num_stages, schedule in layouts:
         model, batch = _case(name)
@@ -97,10 +98,10 @@ def case_job(rank: int, world: int, layouts: list[tuple[str, int, str]]) -> byte
         with torch.no_grad():
             torch.testing.assert_close(pm(x), plain(x), msg=lambda m: f"{name} forward: {m}")
         reports.append(report)
-    return pickle.dumps(reports)
+    return pickle.dumps({"layouts": reports, "edges": _edges() if edges else None})
 
 
-def edge_job(rank: int, world: int) -> bytes:
+def _edges() -> dict[str, Any]:
     """A data-dependent Python value at a cut: how the first step fails on this rank, how fast;
     then pipelined inference of a model whose output's length and Python number follow the data."""
     model, batch = _case("count")
@@ -127,7 +128,7 @@ def edge_job(rank: int, world: int) -> bytes:
             torch.testing.assert_close(got[0], want[0])
             assert got[1] == want[1] == len(want[0]), (got[1], want[1])
             report["kept"].append((size, want[1]))
-    return pickle.dumps(report)
+    return report
 
 
 def _run(fn: Any, world: int, *args: Any) -> list[Any]:
@@ -150,19 +151,19 @@ def _check_moe_routing(report: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[list[dict]]:
+def two_ranks() -> list[dict]:
     layouts = [("moe_loop", 2, "1f1b"), ("moe_loop", 1, "1f1b"), ("moe_loop", 4, "interleaved")]
     layouts += [(name, 2, "1f1b") for name in MOE[1:]] + [("ragged", 2, "1f1b")]
-    return _run(case_job, 2, layouts)
+    return _run(case_job, 2, layouts, True)
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> list[list[dict]]:
-    return _run(case_job, 4, [(name, 2, "1f1b") for name in MOE] + [("ragged", 2, "1f1b")])
+def four_ranks() -> list[dict]:
+    return _run(case_job, 4, [(name, 2, "1f1b") for name in MOE] + [("ragged", 2, "1f1b")], False)
 
 
-def _by_layout(reports_by_rank: list[list[dict]]) -> list[list[dict]]:
-    return [list(reports) for reports in zip(*reports_by_rank)]
+def _by_layout(reports_by_rank: list[dict]) -> list[list[dict]]:
+    return [list(reports) for reports in zip(*(r["layouts"] for r in reports_by_rank))]
 
 
 def test_moe_trains_exactly_across_two_ranks(two_ranks):
@@ -199,11 +200,10 @@ def test_a_tensor_whose_length_depends_on_the_data_crosses_a_cut_with_its_shape(
         assert len(step["dynamic_cut"]) == 2, step  # the indices and the rows
 
 
-def test_data_dependent_python_values_fail_fast_at_a_cut_and_come_back_from_the_last_stage():
+def test_data_dependent_python_values_fail_fast_at_a_cut_and_come_back_from_the_last_stage(two_ranks):
     """At a cut: the same clear error on every rank, at once. In the output (with a tensor sized
     by the data): pm(x) gives every rank the plain model's."""
-    reports = _run(edge_job, 2)
-    for r in reports:
+    for r in (report["edges"] for report in two_ranks):
         assert r["cut"] == ["item"], r
         assert r["type"] == "PipelineError", r
         for part in ("'item'", "stage 0", "stage(s) [1]", "depends on the data", "move the cut"):
