@@ -197,11 +197,13 @@ def test_an_impossible_tensor_parallel_size_is_named_with_the_fix(tp, world, mes
         replica.plan(case.model, case.example_inputs, world_size=world, tensor_parallel_size=tp)
 
 
-def test_tensor_parallelism_does_not_shard_the_replicas_yet():
+def test_tensor_parallelism_with_sharded_replicas_plans_fsdp_by_tp():
     case = tiny_gpt()
-    with pytest.raises(replica.ConfigError, match="not built yet"):
-        replica.plan(case.model, case.example_inputs, world_size=4, tensor_parallel_size=2,
-                     sharded_data_parallel=True)
+    plan = replica.plan(case.model, case.example_inputs, world_size=4, tensor_parallel_size=2,
+                        sharded_data_parallel=True)
+    layout = plan.layout
+    assert (layout.tensor_parallel_size, layout.data_parallel_size) == (2, 2)
+    assert layout.sharded and layout.dp_shard == 2
 
 
 def test_layouts_of_a_world_with_tensor_parallel_ranks():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import operator
 import re
-import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -23,9 +22,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from replica.scoped import Scoped
+
 __all__ = ["follow_mode", "following", "frozen_mode_ops", "uses_rng", "seeded", "microbatch_seed"]
 
-_state = threading.local()
+_model: Scoped[torch.nn.Module | None] = Scoped(None)  # the model whose mode dropouts follow
 
 _ATEN_DROPOUTS = {torch.ops.aten.dropout.default: "dropout", torch.ops.aten.alpha_dropout.default: "alpha",
                   torch.ops.aten.feature_dropout.default: "feature",
@@ -42,7 +43,7 @@ _RANDOM = re.compile(r"(^|[._])(dropout\w*|rand\w*|bernoulli\w*|normal_?|uniform
 
 
 def _training_of(path: str, traced: bool) -> bool:
-    model = getattr(_state, "model", None)
+    model = _model.get()
     if model is None:
         return traced
     try:
@@ -155,12 +156,8 @@ def uses_rng(gm: fx.GraphModule) -> bool:
 @contextmanager
 def following(model: torch.nn.Module | None) -> Iterator[None]:
     """Within: dropouts rewritten by :func:`follow_mode` read their mode from ``model``."""
-    previous = getattr(_state, "model", None)
-    _state.model = model
-    try:
+    with _model.using(model):
         yield
-    finally:
-        _state.model = previous
 
 
 def microbatch_seed(base: int, stage: int, microbatch: int, replica: int = 0) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 from replica.errors import ConfigError
 from replica.layout import Layout
 from replica.partition.tensor_parallel import ShardedBlock
+from replica.units import format_bytes, format_seconds
 
 __all__ = ["BoundaryTensor", "MemoryBreakdown", "StagePlan", "Plan"]
 
@@ -403,16 +404,8 @@ def _span(paths: tuple[str, ...]) -> str:
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
+    return format_bytes(n, ".1f")
 
 
 def _seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.1f} ms"
-    return f"{s * 1e6:.0f} µs"
+    return format_seconds(s)

@@ -20,34 +20,24 @@ traced by fx updates its statistics per micro-batch as before.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator, Sequence
+from contextlib import nullcontext
+from typing import Any, ContextManager, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from replica.errors import PipelineError
+from replica.scoped import Scoped
 
 __all__ = ["DeferredBatchNorm", "defer_batchnorm", "recompute_context"]
 
-_state = threading.local()
-
-
-@contextmanager
-def _recomputing() -> Iterator[None]:
-    previous = getattr(_state, "recomputing", False)
-    _state.recomputing = True
-    try:
-        yield
-    finally:
-        _state.recomputing = previous
+_recomputing = Scoped(False)  # a checkpoint's recomputation: counts no statistics
 
 
 def recompute_context() -> tuple[ContextManager[None], ContextManager[None]]:
     """``context_fn`` for ``torch.utils.checkpoint``: its recomputation counts no statistics."""
-    return nullcontext(), _recomputing()
+    return nullcontext(), _recomputing.using(True)
 
 
 class _Moments:
@@ -105,7 +95,7 @@ class DeferredBatchNorm(torch.nn.Module):
                 "than one value per channel to normalize with its own statistics. Use fewer micro-batches "
                 "(num_microbatches) or a larger batch."
             )
-        if not getattr(_state, "recomputing", False):
+        if not _recomputing.get():
             self.moments.add(x)
             if self.moments.calls >= self.num_microbatches:
                 self._commit(running_mean, running_var, num_batches_tracked, momentum)

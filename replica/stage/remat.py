@@ -21,7 +21,6 @@ notes it on the node, can be rebuilt.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Callable, Collection, Iterator
 
 import torch
@@ -29,6 +28,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from replica.errors import ConfigError
+from replica.scoped import Scoped
 from replica.stage.rewrite import rewrite_calls
 
 __all__ = ["pointwise_recompute", "rebuildable", "materialize", "layer_norm", "rebuildable_norms", "KINDS",
@@ -39,7 +39,7 @@ KINDS = ("activation", "norm")
 # the traced graph's names of those ops (partition/trace.py), with their kind
 REBUILT_OPS = {"gelu": "activation", "silu": "activation", "layernorm": "norm", "layer_norm": "norm"}
 
-_state = threading.local()
+_kinds = Scoped(frozenset())  # the kinds of ops whose outputs are rebuilt
 _EPS = "replica.layer_norm_eps"  # where layer_norm notes its eps on the output's autograd node
 
 
@@ -100,7 +100,7 @@ def rebuildable(t: torch.Tensor) -> "_Recipe | None":
     is an untouched output of an op it rebuilds, else None. A custom autograd function can
     keep this instead of ``t`` and :func:`materialize` it when it needs the values, which
     may be later than its backward (a deferred weight gradient)."""
-    if not _kinds():
+    if not _kinds.get():
         return None
     packed = _pack(t)
     return packed if isinstance(packed, _Recipe) else None
@@ -119,7 +119,7 @@ def _pack(t: torch.Tensor) -> Any:
     kind, recipe = _RECIPES.get(type(node).__name__, ("", None)) if node is not None else ("", None)
     # Only an untouched, contiguous output of the op itself (version 0: nothing wrote into it
     # since, so running the op again gives exactly what was saved).
-    if recipe is None or kind not in _kinds() or base._version != 0 or not base.is_contiguous() or base.is_sparse:
+    if recipe is None or kind not in _kinds.get() or base._version != 0 or not base.is_contiguous() or base.is_sparse:
         return t
     found = recipe(node)
     if found is None:
@@ -133,10 +133,6 @@ def _pack(t: torch.Tensor) -> Any:
 _unpack = materialize
 
 
-def _kinds() -> frozenset[str]:
-    return getattr(_state, "kinds", frozenset())
-
-
 @contextlib.contextmanager
 def pointwise_recompute(kinds: bool | Collection[str] = True) -> Iterator[None]:
     """While active, saved outputs of the ops of ``kinds`` (True: every kind in ``KINDS``;
@@ -148,13 +144,8 @@ def pointwise_recompute(kinds: bool | Collection[str] = True) -> Iterator[None]:
     if not chosen or not torch.is_grad_enabled():
         yield
         return
-    previous = _kinds()
-    _state.kinds = chosen
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-            yield
-    finally:
-        _state.kinds = previous
+    with _kinds.using(chosen), torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        yield
 
 
 def layer_norm(input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,  # noqa: A002
@@ -162,7 +153,7 @@ def layer_norm(input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor 
     """``F.layer_norm`` (same arguments), noting ``eps`` on the output's autograd node so
     that a :func:`pointwise_recompute` can rebuild the output from the norm's saved input."""
     out = F.layer_norm(input, normalized_shape, weight, bias, eps)
-    if out.grad_fn is not None and "norm" in _kinds():
+    if out.grad_fn is not None and "norm" in _kinds.get():
         out.grad_fn.metadata[_EPS] = eps
     return out
 

@@ -13,7 +13,6 @@ temporary gradient for autograd to add).
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Iterator
 
 import torch
@@ -21,12 +20,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from replica.precision import ambient_autocast
+from replica.scoped import Scoped
 from replica.stage import remat
 from replica.stage.rewrite import rewrite_calls
 
 __all__ = ["WeightGrads", "defer_linear_weight_grads", "collecting"]
 
-_active = threading.local()
+_sink: Scoped[WeightGrads | None] = Scoped(None)  # where linear backwards put weight gradients
 
 
 Pending = tuple[torch.Tensor, torch.Tensor | None, Any, torch.Tensor, bool]
@@ -107,12 +107,8 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
 @contextlib.contextmanager
 def collecting(sink: WeightGrads | None) -> Iterator[None]:
     """While active, linear backwards record their weight gradients into ``sink``."""
-    previous = getattr(_active, "sink", None)
-    _active.sink = sink
-    try:
+    with _sink.using(sink):
         yield
-    finally:
-        _active.sink = previous
 
 
 class _Linear(torch.autograd.Function):
@@ -151,7 +147,7 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w = weight if ctx.cast is None else weight.to(ctx.cast)
             dx = dy.mm(w.t()) if transposed else dy.matmul(w)
-        sink = getattr(_active, "sink", None)
+        sink = _sink.get()
         if sink is not None:
             sink.add((weight, bias, x, dy, transposed))
             return dx, None, None, None

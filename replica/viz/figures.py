@@ -13,6 +13,7 @@ from replica.planner.costs import stage_costs_from_plan
 from replica.schedules.actions import FORWARD, Action, placement
 from replica.schedules.schedule import plan_schedule
 from replica.schedules.simulate import Timeline, simulate
+from replica.units import format_bytes, format_seconds
 
 __all__ = ["StageTimes", "Figures", "figures", "stage_colour", "KIND_COLOURS", "MEMORY_COLOURS",
            "format_bytes", "format_seconds", "format_share", "nice_ticks", "shade"]
@@ -198,29 +199,9 @@ def shade(hex_colour: str, amount: float) -> str:
     return "#" + "".join(f"{round(c + (target - c) * a):02x}" for c in (r, g, b))
 
 
-def format_bytes(n: float) -> str:
-    if n == 0:
-        return "0"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n:.3g} TiB"  # pragma: no cover
-
-
 def format_share(fraction: float) -> str:
     """A share as a percentage, ``<0.1%`` rather than a misleading ``0.0%``."""
     return "<0.1%" if 0 < fraction < 0.001 else f"{fraction:.1%}"
-
-
-def format_seconds(s: float) -> str:
-    if s == 0:
-        return "0"
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} µs"
 
 
 def nice_ticks(maximum: float, count: int = 5, *, binary: bool = False) -> list[float]:
