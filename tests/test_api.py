@@ -14,6 +14,7 @@ import replica
 from replica.layout import TUNED_SCHEDULES
 from tests import models
 from tests.conftest import COMPUTE_BOUND
+from tests.grads import assert_same_grads
 
 
 @pytest.fixture
@@ -78,8 +79,7 @@ def test_meta_example_inputs_then_real_training(mlp):
     pm = replica.auto_parallel(model, (inputs[0].to("meta"),), num_stages=3, num_microbatches=4, loss_fn=loss_fn,
                                device=COMPUTE_BOUND)
     pm.train_step(inputs, target)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert_same_grads(model, ref)
 
 
 def test_pipeline_model_surface(pm, mlp):

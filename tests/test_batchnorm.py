@@ -16,6 +16,7 @@ from replica.errors import PipelineError
 from replica.runtime import microbatch
 from tests import models
 from tests.conftest import COMPUTE_BOUND
+from tests.grads import assert_same_grads
 
 
 def case(batch: int = 16, *, cumulative: bool = True) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -66,9 +67,7 @@ def check_one_step(pm: replica.PipelineModel, model: nn.Module, x: torch.Tensor,
     torch.testing.assert_close(statistics(pm.model), statistics(want))
     first = {k: v for k, v in statistics(whole).items() if k.startswith("bn.")}
     torch.testing.assert_close({k: statistics(pm.model)[k] for k in first}, first)  # the plain model's
-    grads = dict(want.named_parameters())
-    for name, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(pm, want)
 
 
 def pipeline(model: nn.Module, x: torch.Tensor, **kwargs: Any) -> replica.PipelineModel:

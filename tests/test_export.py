@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import replica
 from replica.partition.trace import trace
 from tests.conftest import COMPUTE_BOUND
+from tests.grads import assert_same_grads
 
 
 class ShapeBranch(nn.Module):
@@ -93,9 +94,7 @@ def test_exported_models_train_exactly(schedule, num_stages):
     pm = replica.auto_parallel(model, (ids,), num_stages=num_stages, num_microbatches=3, schedule=schedule,
                                loss_fn=dict_loss, device=COMPUTE_BOUND)
     torch.testing.assert_close(pm.train_step(ids, target), ref_loss.detach())
-    grads = dict(ref.named_parameters())
-    for name, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(pm, ref)
     with torch.no_grad():
         out = pm(ids)  # the model's own output type: a dict, re-assembled from micro-batches
         torch.testing.assert_close(out["logits"], ref(ids)["logits"])
@@ -128,9 +127,7 @@ def test_images_export_with_only_the_batch_dynamic_and_train_exactly():
     pm = replica.auto_parallel(model, (x,), num_stages=2, num_microbatches=2, device=COMPUTE_BOUND,
                                loss_fn=F.mse_loss)
     pm.train_step((x,), y)
-    want = dict(ref.named_parameters())
-    for name, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+    assert_same_grads(pm, ref)
     with torch.no_grad():
         torch.testing.assert_close(pm(x[:4]), ref(x[:4]))  # another batch size: dynamic
     with pytest.raises(replica.ConfigError, match=r"size 12 in dimension 3.*fixed that dimension at 8.*"

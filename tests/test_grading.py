@@ -17,6 +17,7 @@ from replica.schedules.schedule import make_schedule
 from replica.schedules.simulate import StageCosts, simulate
 from tests import models
 from tests.conftest import COMPUTE_BOUND
+from tests.grads import assert_same_grads
 
 SCHEDULES = [("gpipe", 2), ("1f1b", 2), ("1f1b", 3), ("zb-h1", 2), ("interleaved", 4), ("zb-v", 4)]
 
@@ -101,9 +102,7 @@ def test_uneven_microbatches_give_exact_gradients(name, stages):
     pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, plan=plan)
     loss = pm.train_step(inputs, target)
     torch.testing.assert_close(loss, ref_loss.detach())
-    want = dict(ref.named_parameters())
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[n].grad, msg=lambda msg: f"{n}: {msg}")
+    assert_same_grads(model, ref)
     with torch.no_grad():
         torch.testing.assert_close(pm(*inputs), ref(*inputs))
 

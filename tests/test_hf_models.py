@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 import replica  # noqa: E402
+from tests import grads
 from tests.conftest import COMPUTE_BOUND  # noqa: E402
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -100,13 +101,9 @@ def pipeline(model: torch.nn.Module, name: str, **kw: Any) -> replica.PipelineMo
 
 
 def assert_same_grads(model: torch.nn.Module, ref: torch.nn.Module, **tol: float) -> None:
-    tol = tol or dict(atol=ATOL, rtol=RTOL)
-    grads = dict(ref.named_parameters())
     names = [n for n, _ in model.named_parameters()]
-    assert names == list(grads)
-    for name, p in model.named_parameters():
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, grads[name].grad, **tol, msg=lambda m: f"{name}: {m}")
+    assert names == [n for n, _ in ref.named_parameters()]  # and in the plain model's order
+    grads.assert_same_grads(model, ref, **(tol or dict(atol=ATOL, rtol=RTOL)))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

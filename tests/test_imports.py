@@ -137,3 +137,42 @@ def test_schedules_never_reach_torch_or_the_simulator(module):
     assert "replica.schedules.simulate" not in nx.descendants(GRAPH, module)
     reached = nx.descendants(RUNTIME, module)
     assert "torch" not in reached, [p for p in nx.all_simple_paths(RUNTIME, module, "torch")][:3]
+
+
+def _package(module: str) -> str:
+    """``replica.partition.plan`` -> ``replica.partition``; top-level modules stay themselves."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+# The layering DESIGN.md draws, bottom to top: what a package may never reach (through any chain of
+# imports that runs): partition (tracing, costs, the cut) knows nothing of how stages run; the
+# stage rewrites, parallel wrappers, schedules and runtime never reach the search that chose the
+# plan; nothing but the front doors reaches the Trainer.
+NEVER = {
+    "replica.partition": {"replica.runtime", "replica.parallel", "replica.planner", "replica.train", "replica.api",
+                          "replica.pipeline_model", "replica.checkpoint"},
+    "replica.schedules": {"replica.runtime", "replica.parallel", "replica.planner", "replica.partition",
+                          "replica.stage", "replica.train", "replica.api", "replica.pipeline_model"},
+    "replica.stage": {"replica.runtime", "replica.parallel", "replica.planner", "replica.train", "replica.api",
+                      "replica.pipeline_model"},
+    "replica.parallel": {"replica.runtime", "replica.planner", "replica.train", "replica.api", "replica.pipeline_model"},
+    "replica.runtime": {"replica.planner", "replica.train", "replica.api", "replica.pipeline_model"},
+    "replica.planner": {"replica.train", "replica.api", "replica.pipeline_model"},
+    "replica.checkpoint": {"replica.train", "replica.api", "replica.planner", "replica.runtime"},
+}
+
+
+@pytest.mark.parametrize("package", sorted(NEVER))
+def test_no_layer_reaches_up(package):
+    mine = [m for m in RUNTIME if _package(m) == package]
+    reached = {_package(r) for m in mine for r in nx.descendants(RUNTIME, m) if r.startswith("replica.")}
+    wrong = sorted(reached & NEVER[package])
+    paths = []
+    for target in wrong:
+        for m in mine:
+            hits = [t for t in RUNTIME if _package(t) == target and nx.has_path(RUNTIME, m, t)]
+            if hits:
+                paths.append(" -> ".join(nx.shortest_path(RUNTIME, m, hits[0])))
+                break
+    assert not wrong, f"{package} reaches {wrong}, against the layering:\n" + "\n".join(paths)

@@ -10,6 +10,7 @@ import torch
 import replica
 from tests import models
 from tests.conftest import COMPUTE_BOUND
+from tests.grads import assert_same_grads
 
 CASES = {
     "tiny_gpt": lambda: models.tiny_gpt(8, num_layers=2, size_ops=True),
@@ -25,15 +26,6 @@ def reference(model, inputs, target, loss_fn):
     loss = loss_fn(ref(*inputs), target)
     loss.backward()
     return ref, loss.detach()
-
-
-def assert_same_grads(pm, ref) -> None:
-    got = dict(pm.named_parameters())
-    want = dict(ref.named_parameters())
-    assert got.keys() == want.keys()
-    for name, p in want.items():
-        assert got[name].grad is not None, name
-        torch.testing.assert_close(got[name].grad, p.grad, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 3, 4])

@@ -13,6 +13,7 @@ import replica
 from examples.gpt.model import GPT, GPTConfig
 from replica.errors import ConfigError
 from replica.materialize import deferred_init, materialize, materialize_modules
+from tests.grads import assert_same_grads
 from tests.models import TinyGPT
 
 transformers = pytest.importorskip("transformers")
@@ -46,9 +47,7 @@ def assert_same_forward_backward(model: nn.Module, ref: nn.Module, ids: Tensor) 
         F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
         outs.append(logits)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_params[name].grad, msg=name)
+    assert_same_grads(model, ref)
 
 
 def load_parameters(model: nn.Module, ref: nn.Module) -> None:
@@ -340,9 +339,7 @@ def test_meta_model_loads_save_pretrained_weights(tmp_path, build) -> None:
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     out.square().mean().backward()
     ref.square().mean().backward()
-    want = dict(saved.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[name].grad, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(model, saved)
 
 
 def test_weights_that_do_not_fit_say_so_before_anything_is_loaded(tmp_path) -> None:

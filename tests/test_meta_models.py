@@ -16,6 +16,7 @@ from replica.errors import ConfigError
 from replica.partition.partitioner import fingerprint
 from replica.partition.trace import trace
 from tests import models
+from tests.grads import assert_same_grads
 
 SEED = 1234
 
@@ -58,13 +59,8 @@ def reference(kind: str) -> tuple[nn.Module, torch.Tensor]:
 
 def assert_same(pm: replica.PipelineModel, ref: nn.Module) -> None:
     want = dict(ref.named_parameters())
-    names = []
-    for name, p in pm.named_parameters():
-        assert p.device.type == "cpu", name
-        torch.testing.assert_close(p.detach(), want[name].detach(), rtol=0, atol=0, msg=name)
-        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
-        names.append(name)
-    assert sorted(names) == sorted(want)
+    assert all(p.device.type == "cpu" for p in pm.parameters())
+    assert_same_grads(pm, want, weights=True)
 
 
 @pytest.mark.parametrize("kind", ["deferred", "meta"])
@@ -143,10 +139,7 @@ def test_hugging_face_gpt2_on_meta_loads_save_pretrained_weights(tmp_path) -> No
     loss = pm.train_step(ids, target)
     torch.testing.assert_close(loss, ref_loss.detach())
     want = dict(saved.named_parameters())
-    names = [n for n, _ in pm.named_parameters()]
-    assert sorted(names) == sorted(want)
-    for name, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+    assert_same_grads(pm, want)
 
 
 def test_nccl_lets_a_meta_model_through(monkeypatch) -> None:

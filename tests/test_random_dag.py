@@ -12,7 +12,7 @@ import replica
 from replica.partition.trace import trace
 from tests import models
 from tests.conftest import COMPUTE_BOUND
-
+from tests.grads import assert_same_grads
 
 MAX_STAGES = 6
 
@@ -42,10 +42,7 @@ def test_random_dag_matches_the_plain_model(seed, num_nodes, stages, num_microba
 
     torch.testing.assert_close(loss, ref_loss.detach())
     want = dict(ref.named_parameters())
-    got = dict(model.named_parameters())
-    assert got.keys() == want.keys() == dict(pm.named_parameters()).keys()
-    for name, p in want.items():
-        assert got[name].grad is not None, name
-        torch.testing.assert_close(got[name].grad, p.grad, msg=lambda m: f"{name}: {m}")
+    assert dict(pm.named_parameters()).keys() == want.keys()
+    assert_same_grads(model, want)
     with torch.no_grad():
         torch.testing.assert_close(pm(*inputs), ref(*inputs))

@@ -23,6 +23,7 @@ from replica.stage import remat
 from replica.stage.weightgrad import WeightGrads, collecting, linear
 from tests import models
 from tests.conftest import COMPUTE_BOUND
+from tests.grads import assert_same_grads
 
 _LN_W, _LN_B = torch.randn(16), torch.randn(16)
 OPS = {
@@ -227,9 +228,7 @@ def test_pipelined_gradients_equal_the_plain_model(schedule, num_stages):
                                loss_fn=loss_fn, device=COMPUTE_BOUND, recompute="pointwise")
     assert pm.plan.pointwise_recompute and pm.runtime.executor.rebuilt
     torch.testing.assert_close(pm.train_step(inputs, target), ref_loss.detach())
-    got = dict(pm.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name].grad, p.grad, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(pm, ref)
 
 
 def test_off_unless_asked_and_kept_in_the_plan():

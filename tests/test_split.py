@@ -18,6 +18,7 @@ from replica.partition.split import split
 from replica.partition.trace import trace
 from tests import models
 from tests.conftest import COMPUTE_BOUND
+from tests.grads import assert_same_grads
 
 
 def plan_with_bounds(graph, bounds, monkeypatch, *, num_microbatches=2, schedule="1f1b"):
@@ -51,9 +52,7 @@ def grads_match(model, inputs, target, loss_fn, monkeypatch, bounds_of, num_micr
     plan = plan_with_bounds(traced.graph, bounds_of(traced.graph), monkeypatch, num_microbatches=num_microbatches)
     pm = replica.auto_parallel(model, inputs, plan=plan, loss_fn=loss_fn)
     pm.train_step(inputs, target)
-    want = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+    assert_same_grads(model, ref)
     with torch.no_grad():
         torch.testing.assert_close(pm(*inputs), ref(*inputs))
     return pm
@@ -379,11 +378,7 @@ def test_unused_parameter_has_no_grad_and_the_others_are_exact():
     assert id(pm.model.mask_token) in held and id(pm.model.head.temperature) in held
     pm.train_step((x,), y)
     want = dict(model.named_parameters())
-    for name, p in pm.named_parameters():
-        if want[name].grad is None:
-            assert p.grad is None, name
-        else:
-            torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+    assert_same_grads(pm, want)
     assert pm.model.mask_token.grad is None and pm.model.head.temperature.grad is None
     optimizer.step()  # a parameter without a gradient is skipped, as in the plain model
 

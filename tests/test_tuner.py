@@ -14,6 +14,7 @@ from examples.gpt.model import GPTConfig
 from replica.layout import TUNED_SCHEDULES as SCHEDULE_CHOICES
 from tests import models
 from tests.conftest import COMPUTE_BOUND
+from tests.grads import assert_same_grads
 
 
 def test_the_tuner_fills_the_world():
@@ -53,9 +54,7 @@ def test_the_tuned_plan_trains_exactly():
     ref_loss.backward()
     pm = replica.auto_parallel(model, inputs, num_stages=2, schedule="auto", loss_fn=loss_fn, device=COMPUTE_BOUND)
     torch.testing.assert_close(pm.train_step(inputs, target), ref_loss.detach())
-    grads = dict(ref.named_parameters())
-    for name, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name].grad)
+    assert_same_grads(pm, ref)
 
 
 def test_gpt3_175b_plans_on_1024_a100s():

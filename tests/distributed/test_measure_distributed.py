@@ -15,6 +15,7 @@ from replica.schedules.schedule import BACKWARD, FORWARD, WEIGHT, placement
 from tests import models
 from tests.conftest import COMPUTE_BOUND
 from tests.distributed.test_distributed import hung_rank_job
+from tests.grads import assert_same_grads
 
 pytestmark = pytest.mark.distributed
 
@@ -31,9 +32,7 @@ def measure_job(rank: int, world: int) -> bytes:
                                    loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=30)
         loss, timeline = pm.measure_step(inputs, target)
         torch.testing.assert_close(loss, ref_loss.detach())
-        want = dict(ref.named_parameters())
-        for name, p in pm.named_parameters():
-            torch.testing.assert_close(p.grad, want[name].grad, msg=lambda m: f"{schedule} {name}: {m}")
+        assert_same_grads(pm, ref, subset=True, context=f"{schedule} ")
         events = [(e.rank, str(e.action), e.start_s, e.end_s) for e in timeline.events]
         reports.append({"schedule": schedule, "events": events, "step_s": timeline.step_time_s,
                         "ranks": timeline.num_ranks, "place": placement(pm.schedule),
@@ -51,9 +50,7 @@ def data_parallel_job(rank: int, world: int) -> bytes:
     pm = replica.auto_parallel(model, inputs, num_stages=2, num_microbatches=2,
                                loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=30)
     _, timeline = pm.measure_step(inputs, target)
-    want = dict(ref.named_parameters())
-    for name, p in pm.named_parameters():  # the whole batch's gradient, as train_step gives
-        torch.testing.assert_close(p.grad, want[name].grad, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(pm, ref, subset=True)  # the whole batch's gradient, as train_step gives
     return pickle.dumps({"replica": pm.data_parallel_rank, "ranks": timeline.num_ranks,
                          "events": [(e.rank, str(e.action), e.start_s, e.end_s) for e in timeline.events]})
 
