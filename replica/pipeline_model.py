@@ -98,7 +98,7 @@ class PipelineModel:
         if mesh is not None:
             assert device is not None
             self.runtime = DistributedRuntime(self.all_stages, self.schedule, plan, mesh, flags, oracle,
-                                              timeout_s=timeout_s, device=device, recompute=plan.recompute,
+                                              timeout_s=timeout_s, device=device, recompute=flags.whole_stage,
                                               precision=self.precision)
             self.stages = [s for s in self.all_stages if s.stage_index in self.runtime.stages]
             self.pipeline_rank = mesh.pipeline_rank
@@ -106,7 +106,7 @@ class PipelineModel:
             self.tensor_parallel_rank = mesh.tensor_parallel_rank
             self._release_remote_weights()
         else:
-            self.runtime = LocalRuntime(self.all_stages, self.schedule, recompute=plan.recompute,
+            self.runtime = LocalRuntime(self.all_stages, self.schedule, recompute=flags.whole_stage,
                                         pointwise_recompute=plan.pointwise_recompute,
                                         rebuilds=plan.rebuilds, precision=self.precision)
             self.stages = self.all_stages

@@ -5,13 +5,17 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 import torch.fx as fx
 
+import replica
+from replica.parallel.parallelize import checkpointed_blocks
 from replica.partition.blocks import block_of, find_blocks, repeated_containers
 from replica.stage.checkpoint import checkpoint_blocks, checkpointed_modules
 from replica.stage.remat import rebuildable_norms
 from replica.stage.weightgrad import WeightGrads, collecting, defer_linear_weight_grads
 from tests import models
+from tests.conftest import COMPUTE_BOUND
 from tests.grads import assert_same_grads
 
 
@@ -43,3 +47,25 @@ def test_a_checkpointed_graph_gives_the_plain_gradients(selective, defer):
     if sink is not None:
         sink.apply()
     assert_same_grads(model, ref)
+
+
+# --- through the pipeline: every mode x schedule, in one process ----------------------------
+MODES = [True, "selective", 1, False]
+SCHEDULES = [("1f1b", 2), ("interleaved", 4), ("zb-v", 4)]
+
+
+@pytest.mark.parametrize("schedule,num_stages", SCHEDULES, ids=[s for s, _ in SCHEDULES])
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_every_mode_and_schedule_gives_the_plain_gradients(mode, schedule, num_stages):
+    model, inputs, target, loss_fn = models.tiny_gpt(8, num_layers=num_stages, size_ops=True)
+    ref = copy.deepcopy(model)
+    ref_loss = loss_fn(ref(*inputs), target)
+    ref_loss.backward()
+    pm = replica.auto_parallel(model, inputs, num_stages=num_stages, num_microbatches=4, schedule=schedule,
+                               loss_fn=loss_fn, device=COMPUTE_BOUND, recompute=mode)
+    assert all(s.recompute == mode for s in pm.plan.stages)
+    made = sum(len(checkpointed_modules(s.module)) for s in pm.stages)
+    expected = sum(len(checkpointed_blocks(pm.plan, s.stage_index)) for s in pm.stages)
+    assert made == expected and (made > 0) == (mode is not False)
+    torch.testing.assert_close(pm.train_step(inputs, target), ref_loss.detach())
+    assert_same_grads(pm, ref)

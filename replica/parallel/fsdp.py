@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from replica.errors import ConfigError
 from replica.partition.mutation import is_view, mutates_first_argument
+from replica.stage.checkpoint import checkpointed_modules
 
 __all__ = ["block_groups", "shard_stage", "set_last_backward", "reshard", "local_tensor", "full_tensor", "shard_like",
            "drop_dtype_asserts"]
@@ -42,7 +43,7 @@ def block_groups(module: fx.GraphModule) -> dict[str, list[str]]:
     block, and blocks sharing a parameter with another, are left to the root unit."""
     called: list[str] = []
     read: set[str] = set()
-    for n in module.graph.nodes:
+    for n in _nodes(module):
         if n.op == "call_module":
             called.append(str(n.target))
         elif n.op == "get_attr":
@@ -72,10 +73,16 @@ def block_groups(module: fx.GraphModule) -> dict[str, list[str]]:
     return {b: paths for b, paths in groups.items() if b not in shared}
 
 
+def _nodes(module: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``module``'s graph and of its checkpointed blocks' regions (whose calls of the
+    stage's modules run inside ``torch.utils.checkpoint``, FSDP2's hooks with them)."""
+    return [*module.graph.nodes, *(n for region in checkpointed_modules(module) for n in region.graph.nodes)]
+
+
 def _written_outputs(module: fx.GraphModule) -> set[str]:
     """The called modules whose output (or a view of it) an in-place op writes into."""
     written: set[str] = set()
-    for n in module.graph.nodes:
+    for n in _nodes(module):
         if n.op != "call_module":
             continue
         frontier, seen = [n], set()

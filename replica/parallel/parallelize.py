@@ -1,4 +1,4 @@
-"""The one ordered step that wraps a rank's stages: tensor parallelism, stage rewrites, then FSDP2.
+"""The one ordered step that wraps a rank's stages: tensor parallelism, stage rewrites, checkpointing, then FSDP2.
 
 torchtitan applies its parallelisms to a model in one explicit order; Replica does the same to
 each stage this process runs, after the pipeline split:
@@ -7,7 +7,10 @@ each stage this process runs, after the pipeline split:
    the mesh's ``tp`` slice, parameters becoming DTensor shards;
 2. **stage rewrites** (:mod:`replica.stage`): linears that defer their weight gradients (for a
    schedule's W actions, or to send input gradients first), norms whose outputs can be rebuilt;
-3. **activation checkpointing** and **compilation** plug in here (their issues), in that order;
+3. **activation checkpointing** (:mod:`replica.stage.checkpoint`): each stage's blocks, as its
+   plan says (every block, the first k, or selective); a stage without blocks whose plan
+   checkpoints it runs whole under ``torch.utils.checkpoint`` in the runtime (``whole_stage``);
+   **compilation** plugs in after it (its issue);
 4. **data parallelism**: FSDP2 (``fully_shard`` per block, then the stage) over the mesh's
    ``dp_shard`` slice, or ``(dp_replicate, dp_shard)`` under HSDP, for sharded replicas; whole
    replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`).
@@ -19,7 +22,7 @@ their linears' weight gradients, and whether the stage modules are FSDP2 roots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -32,10 +35,11 @@ from replica.partition.split import StageModule
 from replica.precision import autocast_dtype
 from replica.schedules.actions import placement, splits_backward
 from replica.schedules.schedule import Schedule
+from replica.stage.checkpoint import checkpoint_blocks
 from replica.stage.remat import rebuildable_norms
 from replica.stage.weightgrad import defer_linear_weight_grads
 
-__all__ = ["StageFlags", "stage_flags", "parallelize", "sending_input_grads"]
+__all__ = ["StageFlags", "stage_flags", "parallelize", "sending_input_grads", "whole_stages", "checkpointed_blocks"]
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,13 @@ class StageFlags:
     another process sends it before computing its weight gradients (never where FSDP reduces
     gradients inside the backward). ``deferring``: the stages whose linears leave their weight
     gradients for later (every stage under a schedule with W actions; with early input
-    gradients, the stages that send one to another process)."""
+    gradients, the stages that send one to another process). ``whole_stage``: the stages
+    checkpointed whole, "full" or "selective" (those without blocks whose plan checkpoints them)."""
 
     sharded: bool
     early_input_grads: bool
     deferring: frozenset[int]
+    whole_stage: dict[int, str] = field(default_factory=dict)
 
 
 def sending_input_grads(stages: Sequence[StageModule], place: dict[int, int]) -> set[int]:
@@ -74,7 +80,27 @@ def stage_flags(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, d
         deferring = frozenset(sending_input_grads(stages, placement(schedule)))
     else:
         deferring = frozenset()
-    return StageFlags(sharded=sharded, early_input_grads=early, deferring=deferring)
+    return StageFlags(sharded=sharded, early_input_grads=early, deferring=deferring,
+                      whole_stage=whole_stages(plan))
+
+
+def whole_stages(plan: Plan) -> dict[int, str]:
+    """The stages checkpointed whole ("full" or "selective"): those without blocks whose plan
+    checkpoints them; every stage of a plan saved before per-block modes that recomputes."""
+    if plan.recompute is True and all(s.recompute is False for s in plan.stages):
+        return dict.fromkeys(range(plan.num_stages), "full")  # a plan from before per-stage modes
+    return {s.stage_index: "selective" if s.recompute == "selective" else "full" for s in plan.stages
+            if not s.blocks and (s.recompute is True or s.recompute == "selective")}
+
+
+def checkpointed_blocks(plan: Plan, stage_index: int) -> tuple[str, ...]:
+    """The blocks stage ``stage_index`` checkpoints: all of them (True, "selective"), the first k, or none."""
+    s = plan.stages[stage_index]
+    if s.recompute is True or s.recompute == "selective":
+        return s.blocks
+    if isinstance(s.recompute, int) and not isinstance(s.recompute, bool):
+        return s.blocks[:s.recompute]
+    return ()
 
 
 def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, mesh: ParallelMesh | None, *,
@@ -98,7 +124,11 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
             defer_linear_weight_grads(stage.module)
         if plan.pointwise_recompute or plan.rebuilds:
             rebuildable_norms(stage.module)  # norms that note their eps, so that their outputs can be rebuilt
-    # 3. (activation checkpointing, compilation)
+    # 3. activation checkpointing: each stage's blocks, as its plan says (then compilation, its issue)
+    for stage in mine:
+        blocks = checkpointed_blocks(plan, stage.stage_index)
+        if blocks:
+            checkpoint_blocks(stage.module, blocks, selective=plan.stages[stage.stage_index].recompute == "selective")
     # 4. sharded replicas: FSDP2 over the shard slice; their parameters become DTensor shards
     if mesh is not None and flags.sharded:
         for stage in sorted(mine, key=lambda s: s.stage_index):

@@ -21,13 +21,15 @@ import numpy as np
 
 from replica.errors import ConfigError, PartitionError
 from replica.layout import SHARDINGS, Layout, schedule_kind
+from replica.partition.blocks import block_of, find_blocks, repeated_containers
 from replica.partition.cost import CostModel
 from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo, fingerprint
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
+from replica.partition.recompute import check_mode, kept_by_selective, saves_activation, stage_activations
 from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
 
 __all__ = ["MemoryModel", "partition", "in_flight_microbatches", "weight_copy_bytes", "fsdp_unit",
-           "units_in_flight", "reshard", "MAX_EXACT_POSITIONS"]
+           "units_in_flight", "reshard", "MAX_EXACT_POSITIONS", "saves_activation", "held_activations"]
 
 MAX_EXACT_POSITIONS = 1200
 INF = float("inf")
@@ -53,9 +55,13 @@ class MemoryModel:
     fitting.) Activations are the ops' saved outputs in their dtypes: autocast's, in a graph
     of :func:`replica.partition.autocast.autocast_graph`.
 
-    With ``recompute`` a stage keeps only its inputs for the micro-batches in flight and
-    recomputes its forward in backward (one micro-batch's activations and weight copies at a
-    time, one more forward's time).
+    ``recompute`` is the mode of every stage (:mod:`replica.partition.recompute`): ``True``
+    checkpoints each block (a stage without blocks: the whole stage), so a stage keeps each
+    block's inputs for the micro-batches in flight and one micro-batch's largest block at a
+    time, for one more forward of the blocks; ``"selective"`` keeps their matmul and attention
+    outputs too, and runs only the rest again; ``k`` does the first ``k`` blocks fully.
+    Received inputs are held per micro-batch in flight, and one more (the next receive, posted
+    ahead: :func:`held_activations`).
 
     ``sharding`` ("zero3" / "zero2", :attr:`replica.layout.Layout.sharding`) shards weights,
     gradients and optimizer state over ``shards`` data-parallel replicas (torch's FSDP2, as
@@ -74,12 +80,13 @@ class MemoryModel:
     """
 
     optimizer: str = "adam"
-    recompute: bool = False
+    recompute: bool | str | int = False
     sharding: str = "none"
     shards: int = 1
     gather_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        check_mode(self.recompute)
         if self.optimizer not in _OPTIMIZER_STATES:
             raise ConfigError(f"unknown optimizer {self.optimizer!r} for memory; one of {sorted(_OPTIMIZER_STATES)}")
         if self.sharding not in SHARDINGS:
@@ -165,11 +172,17 @@ def _state_bytes(graph: Graph, names: Sequence[str], memory_model: MemoryModel, 
     return int(held[0]), int(held[1]), int(held[2])
 
 
-def _saved_bytes(graph: Graph, members: Sequence[Node], cm: CostModel, m: int, memory_model: MemoryModel) -> int:
-    """What the whole batch's backward keeps on a stage of ``members``: each micro-batch's
-    activations, and autocast's weight copies where FSDP does not gather the weights already cast."""
-    saved = int(cm.scaled(sum(n.output_bytes for n in members if saves_activation(n))))
-    return saved + (0 if memory_model.sharded else m * weight_copy_bytes(graph, members))
+def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[str], cm: CostModel, m: int,
+                       memory_model: MemoryModel) -> tuple[int, int, frozenset[str]]:
+    """What the whole batch's forwards keep on a stage of ``members`` (each micro-batch's
+    activations under the recompute mode, and autocast's weight copies where FSDP does not
+    gather the weights already cast), the bytes its largest recomputed block rebuilds at once,
+    and the ops run again (:func:`replica.partition.recompute.stage_activations`)."""
+    act = stage_activations(members, blocks, memory_model.recompute)
+    copies = 0 if memory_model.sharded else m * weight_copy_bytes(graph, members)
+    whole = not blocks and bool(act.again)  # the stage is its one block: its copies are rebuilt too
+    kept = int(cm.scaled(act.kept)) + (0 if whole else copies)
+    return kept, int(cm.scaled(act.peak)) + (copies if whole else 0), act.again
 
 
 def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
@@ -185,11 +198,12 @@ def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
         parameters, gradients, optimizer = _state_bytes(graph, st.parameter_names, memory_model, units, m > 1)
         copies = 0 if plan.layout.sharded else m * weight_copy_bytes(graph, [graph[n] for n in st.node_names])
         received = sum(b.nbytes for b in st.inputs)
-        kept = st.memory.activations - received  # saved bytes x micro-batches held / m
-        activations = received + (int(kept * (st.activation_bytes - copies) / st.activation_bytes)
-                                  if st.activation_bytes else kept)
+        whole = not st.blocks and (st.recompute is True or st.recompute == "selective")  # copies are rebuilt
+        kept, rebuilt = (st.activation_bytes, st.recompute_bytes - copies) if whole else \
+            (st.activation_bytes - copies, st.recompute_bytes)
+        activations = int(held_activations(kept, rebuilt, received, st.in_flight, m))
         stages.append(dataclasses.replace(
-            st, activation_bytes=st.activation_bytes - copies,
+            st, activation_bytes=kept, recompute_bytes=rebuilt,
             memory=MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer=optimizer,
                                    activations=activations)))
     return dataclasses.replace(plan, stages=tuple(stages))
@@ -202,10 +216,6 @@ def in_flight_microbatches(schedule: str, stage_index: int, num_stages: int, num
     if schedule == "gpipe":
         return num_microbatches
     return min(num_microbatches, num_stages - stage_index)
-
-
-def saves_activation(n: Node) -> bool:
-    return n.kind == OP and (n.flops > 0 or n.bytes_accessed > 0) and any(t.is_floating for t in n.outputs)
 
 
 def _cut_candidates(graph: Graph, allowed: list[bool], limit: int) -> list[int]:
@@ -328,8 +338,7 @@ def partition(
         if key not in transfers_by_model:
             items = np.zeros(num_seg)
             for i, n in enumerate(nodes):
-                items[seg_of[i]] += (2 if memory_model.recompute else 1) * cm.forward_time(n, m) \
-                    + cm.backward_time(n, m)
+                items[seg_of[i]] += (1 + modes.again[i]) * cm.forward_time(n, m) + cm.backward_time(n, m)
             transfers = []
             for i, n in enumerate(nodes):
                 readers = tuple(sorted({int(seg_of[index[u]]) for u in n.users} - {int(seg_of[i])}))
@@ -344,13 +353,22 @@ def partition(
         return transfers_by_model[key].copy()
 
     # --- memory ---------------------------------------------------------------------------
-    static, activation, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m,
-                                                models[0].batch_fraction)
+    modes = _modes(graph, memory_model.recompute)
+    fraction = models[0].batch_fraction
+    static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction)
+    kept = _segment_sums(modes.kept * fraction / m, seg_of, num_seg) + copies  # a micro-batch's
+    blocks_in = _segment_sums(modes.block_start, seg_of, num_seg)
+    if modes.whole:  # no blocks: a stage is its one block, its whole saved activations rebuilt at once
+        rebuilt = _segment_sums(modes.saved * fraction / m, seg_of, num_seg) + copies - kept
+    else:
+        rebuilt = np.where(blocks_in > 0, modes.peak * fraction / m, 0.0)
+        if modes.k:
+            kept = kept - np.minimum(blocks_in, modes.k) * modes.saving * fraction / m
 
     def memory_matrix(k: int) -> np.ndarray:
-        # received inputs stay alive for in-flight micro-batches either way (the buffers are
-        # posted up front); recomputing keeps one micro-batch's activations at a time
-        return static + activation * (1 if memory_model.recompute else flights[k]) + recv
+        # kept activations per micro-batch in flight, one micro-batch's recomputed block, and
+        # the received inputs of the micro-batches in flight and the next (held_activations)
+        return static + held_activations(kept * m, rebuilt * m, recv, flights[k], m)
 
     def stage_cost(k: int) -> np.ndarray:
         c = time_matrix(k)
@@ -361,8 +379,8 @@ def partition(
     try:
         result = solve(stage_cost, num_stages)
     except ValueError:
-        raise _infeasible(graph, num_stages, budgets, (static, activation, recv), schedule, m, num_seg,
-                          memory_model.recompute) from None
+        raise _infeasible(graph, num_stages, budgets, (static, kept * m, rebuilt * m, recv), schedule, m,
+                          num_seg) from None
 
     seg_bounds, bottleneck = list(result.bounds), result.bottleneck
     if stage_ranks is not None and len(set(stage_ranks)) < num_stages:
@@ -376,14 +394,13 @@ def partition(
             return float(transfers_by_model[id(models[k])][i, j])
 
         def memory_model_at(k: int, i: int, j: int) -> float:
-            held = 1 if memory_model.recompute else flights[k]
-            return float(static[i, j] + activation[i, j] * held + recv[i, j])
+            return float(static[i, j] + held_activations(kept[i, j] * m, rebuilt[i, j] * m, recv[i, j], flights[k], m))
 
         seg_bounds = balance_groups(cost_at, seg_bounds, groups)
         bottleneck = max(cost_at(k, seg_bounds[k], seg_bounds[k + 1]) for k in range(num_stages))
     bounds = [edges[b] for b in seg_bounds]
-    again = 2 if memory_model.recompute else 1
-    work = [again * models[0].forward_time(n, m) + models[0].backward_time(n, m) for n in nodes]
+    work = [(1 + modes.again[i]) * models[0].forward_time(n, m) + models[0].backward_time(n, m)
+            for i, n in enumerate(nodes)]
     lower_bound = max(sum(work) / num_stages, max(work)) if len({id(x) for x in models}) == 1 else 0.0
     return _describe(graph, models, bounds, bottleneck, m, schedule, flights, memory_model, latency,
                      exact, lower_bound, stage_ranks)
@@ -445,12 +462,6 @@ def _memory_matrices(
     weights, gathered, buffers = (np.cumsum(np.cumsum(d, axis=0), axis=1)[: n + 1, : n + 1] for d in reads.values())
     static = sum(memory_model.held(weights, gathered, buffers, units_in_flight(graph, memory_model), m > 1))
     copies = np.cumsum(np.cumsum(copies_d, axis=0), axis=1)[: n + 1, : n + 1]
-    per_seg = np.zeros(n)
-    for i, x in enumerate(nodes):
-        if saves_activation(x):
-            per_seg[seg_of[i]] += x.output_bytes * fraction / m
-    prefix = np.concatenate([[0.0], np.cumsum(per_seg)])
-    activation = np.maximum(prefix[None, :] - prefix[:, None], 0.0) + copies
     index = {x.name: i for i, x in enumerate(nodes)}
     recv_d = np.zeros((n + 2, n + 2))
     for i, x in enumerate(nodes):
@@ -458,20 +469,83 @@ def _memory_matrices(
         # received by [i, j) iff the producer is before i and a reader inside
         _add_reads(recv_d, int(seg_of[i]), readers, n, x.output_bytes * fraction)
     recv = np.cumsum(np.cumsum(recv_d, axis=0), axis=1)[: n + 1, : n + 1]
-    return static, activation, recv
+    return static, copies, recv
+
+
+def _segment_sums(per_node: np.ndarray, seg_of: np.ndarray, num_seg: int) -> np.ndarray:
+    """``[i, j)`` -> the sum of ``per_node`` over the nodes of segments i to j - 1."""
+    per_seg = np.bincount(seg_of, weights=per_node, minlength=num_seg)[:num_seg]
+    prefix = np.concatenate([[0.0], np.cumsum(per_seg)])
+    return np.maximum(prefix[None, :] - prefix[:, None], 0.0)
+
+
+def held_activations(kept: Any, rebuilt: Any, received: Any, in_flight: int, m: int) -> Any:
+    """Bytes of activations a stage holds at its fullest (numbers or numpy arrays), from the whole
+    batch's (``m`` micro-batches'): what its forwards keep (``kept``) for each of the ``in_flight``
+    micro-batches; one micro-batch's recomputed block (``rebuilt``, its largest); its received
+    inputs for the micro-batches in flight and the next one, whose receive the runtime posts
+    while the last backward runs (at most all ``m``)."""
+    return (kept * in_flight + rebuilt + received * min(in_flight + 1, m)) / m
+
+
+@dataclass(frozen=True)
+class _Modes:
+    """A recompute mode priced per node of the whole graph, for the solver (the plan's stages are
+    then priced exactly, :func:`replica.partition.recompute.stage_activations`)."""
+
+    saved: np.ndarray  # per node: the bytes autograd keeps of its output (whole batch)
+    kept: np.ndarray  # the bytes kept under the mode
+    again: np.ndarray  # 1.0 where its forward runs again in backward
+    block_start: np.ndarray  # 1.0 at the first op of each block
+    peak: float = 0.0  # the largest recomputed block's bytes
+    whole: bool = False  # a mode that checkpoints, on a model without blocks: a stage is its one block
+    k: int = 0  # int k: the blocks checkpointed per stage, each saving ``saving`` bytes
+    saving: float = 0.0
+
+
+def _modes(graph: Graph, mode: object) -> _Modes:
+    nodes = graph.nodes
+    saved = np.array([float(x.output_bytes) if saves_activation(x) else 0.0 for x in nodes])
+    zeros = np.zeros(len(nodes))
+    paths = [x.module_path for x in nodes]
+    containers = repeated_containers(paths)
+    blocks = find_blocks(paths, containers)
+    firsts: dict[str, int] = {}
+    for i, x in enumerate(nodes):
+        if x.kind == OP and (b := block_of(x.module_path, containers)) is not None:
+            firsts.setdefault(b, i)
+    starts = zeros.copy()
+    starts[list(firsts.values())] = 1.0
+    if mode is False or mode == 0:
+        return _Modes(saved, saved, zeros, starts)
+    ops = np.array([1.0 if x.kind == OP else 0.0 for x in nodes])
+    if not blocks:
+        if mode == "selective":
+            keep = np.array([1.0 if kept_by_selective(x) else 0.0 for x in nodes])
+            return _Modes(saved, np.array([float(x.output_bytes) for x in nodes]) * keep, ops * (1 - keep), starts,
+                          whole=True)
+        return _Modes(saved, zeros, ops, starts, whole=True)
+    k = mode if isinstance(mode, int) and not isinstance(mode, bool) else 0
+    act = stage_activations(nodes, blocks, True if k else mode)
+    assert act.by_node is not None
+    kept = np.array([float(act.by_node.get(x.name, 0)) for x in nodes])
+    again = np.array([1.0 if x.name in act.again else 0.0 for x in nodes])
+    if k:  # the first k blocks of a stage: priced as k blocks' average saving, their time as none
+        return _Modes(saved, saved, zeros, starts, peak=float(act.peak), k=k,
+                      saving=float(saved.sum() - kept.sum()) / len(blocks))
+    return _Modes(saved, kept, again, starts, peak=float(act.peak))
 
 
 def _infeasible(graph: Graph, num_stages: int, budgets: list[float],
-                memory: tuple[np.ndarray, np.ndarray, np.ndarray], schedule: str, m: int,
-                num_seg: int, recompute: bool) -> PartitionError:
+                memory: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], schedule: str, m: int,
+                num_seg: int) -> PartitionError:
     """How much memory the best partition needs, and how many stages would fit."""
-    static, activation, recv = memory
+    static, kept, rebuilt, recv = memory
     lower = np.tril_indices(num_seg + 1)
 
     def need(k: int) -> float:
         def matrix(s: int) -> np.ndarray:
-            held = 1 if recompute else in_flight_microbatches(schedule, s, k, m)
-            mm = static + activation * held + recv
+            mm = static + held_activations(kept, rebuilt, recv, in_flight_microbatches(schedule, s, k, m), m)
             mm[lower] = INF
             return mm
         return solve(matrix, k).bottleneck
@@ -539,26 +613,28 @@ def _describe(
 
     held = held_tensors(graph, [nodes[bounds[k]:bounds[k + 1]] for k in range(num_stages)])
     units = units_in_flight(graph, memory_model)
+    containers = repeated_containers(n.module_path for n in nodes)
     stages = []
     for k in range(num_stages):
         cm = models[k]
         members = nodes[bounds[k]:bounds[k + 1]]
         params = held[k]
         parameters, gradients, optimizer = _state_bytes(graph, params, memory_model, units, m > 1)
-        saved = _saved_bytes(graph, members, cm, m, memory_model)
+        blocks = find_blocks([n.module_path for n in members], containers)
+        saved, rebuilt, again = _stage_activations(graph, members, blocks, cm, m, memory_model)
         received = sum(b.nbytes for b in incoming[k])
         # the per-call part: what a call costs whatever the micro-batch size
         fixed_fwd = sum(cm.call_overhead(n) for n in members)
         fixed_bwd = sum(cm.call_overhead(n, backward=True) for n in members)
         fwd = sum(cm.forward_time(n, m) for n in members)
-        bwd = sum(cm.backward_time(n, m) for n in members) + (fwd if memory_model.recompute else 0.0)
+        bwd = sum(cm.backward_time(n, m) for n in members) + sum(cm.forward_time(n, m) for n in members
+                                                                 if n.name in again)
         tensor_parallel, tensor_parallel_bytes = 0.0, 0.0
         if cm.tensor_parallel is not None:  # in fwd and bwd already: said apart for the summary
-            again = 2 if memory_model.recompute else 1
-            tensor_parallel = sum(again * cm.collective_time(n, m) + cm.collective_time(n, m, backward=True)
-                                  for n in members)
-            tensor_parallel_bytes = sum(again * cm.collective_bytes(n) + cm.collective_bytes(n, backward=True)
-                                        for n in members)
+            tensor_parallel = sum((1 + (n.name in again)) * cm.collective_time(n, m)
+                                  + cm.collective_time(n, m, backward=True) for n in members)
+            tensor_parallel_bytes = sum((1 + (n.name in again)) * cm.collective_bytes(n)
+                                        + cm.collective_bytes(n, backward=True) for n in members)
         comm = sum(
             (2 if b.dtype is not None and TensorInfo((), b.dtype).is_floating else 1)
             * cm.transfer_time(b.nbytes, num_messages=0)
@@ -575,7 +651,7 @@ def _describe(
                 parameters=parameters,
                 gradients=gradients,
                 optimizer=optimizer,
-                activations=int(saved * (1 if memory_model.recompute else flights[k]) / m + received),
+                activations=int(held_activations(saved, rebuilt, received, flights[k], m)),
             ),
             inputs=tuple(incoming[k]),
             outputs=tuple(outgoing[k]),
@@ -584,9 +660,13 @@ def _describe(
             device=cm.device.name,
             activation_bytes=saved,
             fixed_forward_s=fixed_fwd,
-            fixed_backward_s=fixed_bwd + (fixed_fwd if memory_model.recompute else 0.0),
+            fixed_backward_s=fixed_bwd + sum(cm.call_overhead(n) for n in members if n.name in again),
             tensor_parallel_s=tensor_parallel,
             tensor_parallel_bytes=int(tensor_parallel_bytes),
+            recompute=memory_model.recompute,
+            blocks=blocks,
+            recompute_bytes=rebuilt,
+            in_flight=flights[k],
         ))
     step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}

@@ -82,6 +82,20 @@ class StagePlan:
     # and the bytes of the whole tensors they run on (ring all-reduces and all-gathers), a step
     tensor_parallel_s: float = 0.0
     tensor_parallel_bytes: int = 0
+    # activation checkpointing (replica.partition.recompute): the stage's mode (False, True: every
+    # block, "selective", int k: its first k blocks), its blocks (module paths; none: the stage is
+    # its one block), the bytes one recomputed block holds at once in backward (at the traced
+    # batch: a micro-batch holds its share), and the micro-batches the schedule keeps in flight here
+    recompute: bool | str | int = False
+    blocks: tuple[str, ...] = ()
+    recompute_bytes: int = 0
+    in_flight: int = 1
+
+    @property
+    def recompute_note(self) -> str:
+        """The stage's checkpointing in a few words ("-", "4 blocks", "2 of 4 blocks", "selective")."""
+        from replica.partition.recompute import describe_mode
+        return describe_mode(self.recompute, len(self.blocks))
 
     @property
     def predicted_time_s(self) -> float:
@@ -111,7 +125,9 @@ class Plan:
     alternatives: tuple[tuple[str, float], ...] = ()
     model_flops: float = 0.0
     device_peak_flops: float = 0.0
-    recompute: bool = False
+    # the recompute mode asked of every stage (False, True, "selective", int k; each stage's own
+    # in ``stages[i].recompute``): truthy where activations are checkpointed
+    recompute: bool | str | int = False
     simulated_bubble: float = -1.0
     microbatch_shares: tuple[float, ...] = ()  # relative micro-batch sizes; () is even
     # a backward sends its input gradient to another rank before computing its weight
@@ -206,6 +222,20 @@ class Plan:
         """Each micro-batch's size over the even one (``[]`` when even): what
         ``simulate(..., sizes=)`` scales each micro-batch's costs by."""
         return [x * self.num_microbatches for x in self.microbatch_shares]
+
+    @property
+    def recompute_title(self) -> str:
+        """The plan's checkpointing for the summary's title ("" without any)."""
+        modes = {s.recompute for s in self.stages if s.recompute is not False and s.recompute != 0}
+        if not modes:
+            return ", recomputing activations" if self.recompute else ""
+        if modes == {True}:
+            return ", checkpointing every block"
+        if modes == {"selective"}:
+            return ", selective checkpointing (matmul and attention outputs kept)"
+        if len(modes) == 1 and isinstance(self.recompute, int) and not isinstance(self.recompute, bool):
+            return f", checkpointing the first {self.recompute} blocks of each stage"
+        return ", activation checkpointing per stage"
 
     def rebuilt(self, stage_index: int) -> frozenset[str]:
         """The kinds of ops whose outputs ``stage_index`` rebuilds in backward, unasked."""
@@ -302,6 +332,8 @@ class Plan:
                     collective_s=s.get("collective_s", 0.0), exposed_collective_s=s.get("exposed_collective_s", 0.0),
                     gathers=s.get("gathers", 0), tensor_parallel_s=s.get("tensor_parallel_s", 0.0),
                     tensor_parallel_bytes=s.get("tensor_parallel_bytes", 0),
+                    recompute=s.get("recompute", False), blocks=tuple(s.get("blocks", ())),
+                    recompute_bytes=s.get("recompute_bytes", 0), in_flight=s.get("in_flight", 1),
                 )
                 for s in data.pop("stages")
             )
@@ -344,15 +376,19 @@ class Plan:
             f"{self.layout.sharding + '-sharded ' if self.layout.sharded else ''}"
             f"replica{'s' if self.data_parallel_size != 1 else ''}, "
             f"{self.num_microbatches} micro-batches, {self.schedule}"
-            f"{', recomputing activations' if self.recompute else ''}{rebuild}, on {self.device}"
+            f"{self.recompute_title}{rebuild}, on {self.device}"
         ), title_justify="left")
-        for col in ("stage", "ops", "params", "modules", "fwd+bwd", "comm", "memory", "sends"):
+        checkpointing = any(s.recompute is not False and s.recompute != 0 for s in self.stages)
+        columns = ("stage", "ops", "params", "modules", "fwd+bwd", "comm", "memory",
+                   *(("recompute",) if checkpointing else ()), "sends")
+        for col in columns:
             table.add_column(col, justify="left" if col in ("modules", "sends") else "right")
         for s in self.stages:
             table.add_row(
                 str(s.stage_index), str(s.num_ops), _bytes(s.memory.parameters),
                 _span(s.module_paths), _seconds(s.forward_time_s + s.backward_time_s),
                 _seconds(s.communication_time_s), _bytes(s.predicted_memory_bytes),
+                *((s.recompute_note,) if checkpointing else ()),
                 ", ".join(f"{_bytes(b.nbytes)}→{'/'.join(map(str, b.destination_stages))}" for b in s.outputs[:3])
                 + (" …" if len(s.outputs) > 3 else ""),
             )

@@ -15,9 +15,11 @@ import torch
 
 from replica.errors import ConfigError, PartitionError
 from replica.layout import Layout, schedule_kind
+from replica.partition.blocks import find_blocks
 from replica.partition.graph import fingerprint
 from replica.partition.partitioner import MemoryModel
 from replica.partition.plan import Plan
+from replica.partition.recompute import needs_blocks
 from replica.partition.trace import Traced
 from replica.planner.costs import stage_costs_from_plan
 from replica.planner.options import PlannerOptions
@@ -50,7 +52,13 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                       memory_model=MemoryModel(optimizer=r.optimizer), precision=r.precision,
                       num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
                       graded=r.graded_microbatches, options=r.options, batch_scale=scale)
-    full = r.recompute if isinstance(r.recompute, bool) or r.recompute is None else False
+    # the mode every stage checkpoints by (None: the tuner's choice; "pointwise" checkpoints none)
+    full = False if r.recompute == "pointwise" else r.recompute
+    if needs_blocks(full) and not find_blocks([n.module_path for n in traced.graph]):
+        raise ConfigError(
+            f"recompute={full!r} checkpoints blocks (the repeated modules, as transformer.h.0, model.layers.0), but "
+            f"{traced.graph.model_name or 'the model'} has none: its module paths repeat no indexed container. Use "
+            "recompute=True (each stage checkpointed whole), 'pointwise', False or None")
     rebuild = r.recompute is not False  # False keeps every activation: no rebuilds either
     if r.tuning:
         world = r.world_size if r.world_size is not None else (r.num_stages or 1)
@@ -62,7 +70,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                        world_size=world, batch=pricing.global_batch, num_ops=len(traced.graph.op_nodes),
                        device=pricing.spec, memory_budget=pricing.budget_per_device(), num_stages=r.num_stages,
                        num_microbatches=r.num_microbatches, data_parallel_size=r.replicas_fixed(),
-                       recompute=(False, True) if full is None else (full,), shardings=r.shardings,
+                       recompute=(False, "selective", True) if full is None else (full,), shardings=r.shardings,
                        tensor_parallel_sizes=_worth_cutting(pricing, r.tensor_parallel_choices(
                            pricing.spec.devices_per_node), r.tensor_parallel_size is not None),
                        shard_groups=lambda replicas, per_replica: r.shard_groups(replicas, per_replica,
@@ -78,7 +86,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                                       data_parallel_size=r.data_parallel_size, tensor_parallel_size=t)
         m = r.num_microbatches or default_microbatches(pricing.global_batch // layout.data_parallel_size,
                                                        layout.num_stages)
-        plan = _shard_fixed(pricing, layout, m, bool(full), r, r.options.tie)
+        plan = _shard_fixed(pricing, layout, m, full or False, r, r.options.tie)
+    _check_blocks(plan)
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
     if r.recompute == "pointwise" and not plan.recompute:
         plan = dataclasses.replace(plan, pointwise_recompute=True)
@@ -118,7 +127,24 @@ def _check_shardable(r: PlanRequest) -> None:
             "replicas, or sharded_data_parallel=None / False")
 
 
-def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, r: PlanRequest, tie: float) -> Plan:
+def _check_blocks(plan: Plan) -> None:
+    """``recompute=k`` checkpoints the first k blocks of each stage: a stage holding blocks, but
+    fewer than k, is a ConfigError naming it, its blocks and the fix."""
+    k = plan.recompute
+    if not isinstance(k, int) or isinstance(k, bool):
+        return
+    short = [s for s in plan.stages if s.blocks and len(s.blocks) < k]
+    if short:
+        s = short[0]
+        fewest = min(len(t.blocks) for t in plan.stages if t.blocks)
+        raise ConfigError(
+            f"recompute={k} checkpoints the first {k} blocks of each stage, but stage {s.stage_index} holds "
+            f"{len(s.blocks)}: {', '.join(s.blocks)}. Use recompute={fewest} (the fewest blocks a stage holds), "
+            "True (every block of every stage), 'selective', or fewer stages")
+
+
+def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool | str | int, r: PlanRequest,
+                 tie: float) -> Plan:
     """The plan of a layout the request fixed, with the fastest of the shardings it allows
     that fits (predictions within ``tie`` of it: whole replicas if among them, then the one
     holding least memory, as the tuner takes), each in the shard groups the request allows.

@@ -11,9 +11,10 @@ Per micro-batch: forward and backward are the step's over ``num_microbatches`` (
 backward split ``1 - WEIGHT_SHARE`` / ``WEIGHT_SHARE`` into B and W where the schedule has W
 actions), their per-call parts (launches) kept apart so that graded micro-batches price
 right; a stage's outputs cross to the next stage's rank over ``device``'s link; a stage
-holds one micro-batch's saved activations from its forward to its backward (with whole-stage
-recompute, one micro-batch's at a time: only its inputs are kept), and its state (weights,
-gradients, optimizer) and received inputs over the whole step.
+holds what one micro-batch's forward keeps (its saved activations, or under activation
+checkpointing its blocks' inputs: :mod:`replica.partition.recompute`) and its received inputs
+from its forward to its backward, one micro-batch's recomputed block at a time, the next
+micro-batch's inputs (received ahead), and its state (weights, gradients, optimizer) over the step.
 """
 
 from __future__ import annotations
@@ -53,16 +54,18 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
             link = device or _device(stage.device or plan.device)
             send = sum(b.nbytes for b in stage.outputs) / m / link.link_bandwidth + link.link_latency_s
         memory = stage.memory
-        one = int(stage.activation_bytes / m)  # one micro-batch's saved activations
-        received = sum(b.nbytes for b in stage.inputs)
+        one = int(stage.activation_bytes / m)  # what one micro-batch's forward keeps
+        received = sum(b.nbytes for b in stage.inputs) / m  # one micro-batch's inputs
         costs.append(StageCosts(
             forward_s=forward,
             backward_s=backward * share,
             weight_s=backward * WEIGHT_SHARE if split else 0.0,
             send_s=send,
-            activation_bytes=0 if plan.recompute else one,
-            static_bytes=memory.parameters + memory.gradients + memory.optimizer + received
-            + (one if plan.recompute else 0),
+            # per micro-batch in flight: what its forward keeps and its received inputs; once: one
+            # micro-batch's recomputed block, and the next micro-batch's inputs, received ahead
+            activation_bytes=int(one + received),
+            static_bytes=int(memory.parameters + memory.gradients + memory.optimizer + received
+                             + stage.recompute_bytes / m),
             forward_fixed_s=min(stage.fixed_forward_s, forward),
             backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
             input_grad_share=1 - WEIGHT_SHARE if plan.sends_input_grads_early and not split else 1.0,

@@ -196,7 +196,7 @@ class Pricing:
                          measured_fraction=self.measured_fraction,
                          tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size))
 
-    def memory_model_for(self, layout: Layout, recompute: bool) -> MemoryModel:
+    def memory_model_for(self, layout: Layout, recompute: bool | str | int) -> MemoryModel:
         """What a stage of ``layout`` keeps: sharded over its shard group where the layout shards
         (every replica, or ``shard_group_size`` of them under HSDP)."""
         return dataclasses.replace(self.memory_model, recompute=recompute, sharding=layout.sharding,
@@ -242,7 +242,7 @@ class Pricing:
         return all(held[r] + extra.get(r, 0.0) <= self.budget_per_device() for r in held)
 
     def partition_for(self, layout: Layout, num_microbatches: int, *, within_budget: bool = True,
-                      recompute: bool = False, simulated: bool = True) -> Plan:
+                      recompute: bool | str | int = False, simulated: bool = True) -> Plan:
         """The plan of ``layout`` with ``num_microbatches`` micro-batches per replica, priced
         at each replica's share of the batch (even micro-batches, nothing rebuilt: see
         :func:`replica.planner.refine.finish`). ``simulated=False`` leaves out the step's
@@ -275,7 +275,7 @@ class Pricing:
                            in_flight=max_in_flight(schedule_data, layout.num_stages),
                            stage_ranks=[where[k] for k in range(layout.num_stages)], together=together(blocks))
         result = dataclasses.replace(result, layout=layout, tensor_parallel=blocks,
-                                     early_input_grads=not recompute and self._early_fits(result, where))
+                                     early_input_grads=recompute is False and self._early_fits(result, where))
         if not simulated:
             return dataclasses.replace(result, precision=self.precision,
                                        model_flops=3 * self.graph.total_flops * batch_fraction * replicas,

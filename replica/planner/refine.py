@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from replica.partition.partitioner import saves_activation
+from replica.partition.partitioner import held_activations, saves_activation
 from replica.partition.plan import Plan
 from replica.planner.costs import stage_costs_from_plan
 from replica.planner.pricing import Pricing
@@ -136,8 +136,7 @@ def _rebuild_candidates(pricing: Pricing, plan: Plan,
 def _with_rebuild(plan: Plan, k: int, seconds: float, nbytes: int) -> Plan:
     """``plan`` with stage ``k`` rebuilding ``nbytes`` of outputs in ``seconds`` more backward."""
     st = plan.stages[k]
-    received = sum(b.nbytes for b in st.inputs)
-    held = nbytes * (st.memory.activations - received) / st.activation_bytes if st.activation_bytes else 0
+    held = held_activations(nbytes, 0, 0, st.in_flight, plan.num_microbatches)  # per micro-batch in flight
     stage = dataclasses.replace(
         st, backward_time_s=st.backward_time_s + seconds, activation_bytes=st.activation_bytes - nbytes,
         memory=dataclasses.replace(st.memory, activations=int(st.memory.activations - held)))

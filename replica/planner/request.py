@@ -50,9 +50,11 @@ class PlanningOptions:
     ``"zero2"`` as priced, or the one named; False: whole copies; None: the planner decides),
     ``shard_group_size`` (HSDP: the replicas of each FSDP shard group, the groups replicating each
     other; None: the planner weighs one group of every replica against groups that fit a node),
-    ``recompute`` (True: keep only stage inputs and run the forward again in backward;
-    ``"pointwise"``: rebuild GELU / SiLU outputs in backward on stages that hold several
-    micro-batches; False: neither; None: the tuner decides), ``mixed_precision`` (None: fp32, or
+    ``recompute`` (activation checkpointing per stage, :mod:`replica.partition.recompute`: True
+    checkpoints every block, a stage without blocks whole; ``"selective"`` keeps the blocks'
+    matmul and attention outputs and recomputes the rest; an int ``k`` the first k blocks of each
+    stage; ``"pointwise"``: rebuild GELU / SiLU outputs in backward on stages that hold several
+    micro-batches; False: none of these; None: the tuner decides), ``mixed_precision`` (None: fp32, or
     rather the weights' own dtype; ``"bf16"`` / ``"fp16"``: autocast, priced at the device's
     half-precision rate), ``device`` (what the plan is priced for and, for the Trainer, where the
     model runs: None, where the model's weights are; a torch device, ``"cpu"`` / ``"cuda:1"``,
@@ -78,7 +80,7 @@ class PlanningOptions:
     tensor_parallel_size: int | None = None
     sharded_data_parallel: bool | str | None = None
     shard_group_size: int | None = None
-    recompute: bool | str | None = None
+    recompute: bool | str | int | None = None
     mixed_precision: Any = None
     device: Any = None
     cost: str = "auto"
@@ -118,11 +120,13 @@ class PlanningOptions:
                 f"shard_group_size={g} does not divide data_parallel_size={d}: each shard group holds {g} replicas "
                 f"and the groups replicate each other. Use shard_group_size in "
                 f"{[k for k in range(1, d + 1) if d % k == 0]}")
-        if not (self.recompute is None or isinstance(self.recompute, bool) or self.recompute == "pointwise"):
+        k = self.recompute
+        if not (k is None or isinstance(k, bool) or k in ("pointwise", "selective") or isinstance(k, int) and k >= 0):
             raise ConfigError(
-                f"recompute must be True (keep only stage inputs, run the forward again in backward), "
-                f"'pointwise' (rebuild GELU / SiLU outputs in backward), False or None (let the tuner decide), "
-                f"got {self.recompute!r}"
+                f"recompute must be True (checkpoint every block: keep only its inputs, run its forward again in "
+                f"backward), 'selective' (keep matmul and attention outputs, recompute the rest), an int k >= 0 "
+                f"(the first k blocks of each stage), 'pointwise' (rebuild GELU / SiLU outputs in backward), "
+                f"False or None (let the tuner decide), got {self.recompute!r}"
             )
         if self.cost not in ("auto", "analytic", "profile"):
             raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {self.cost!r}")

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 from replica.errors import ConfigError, PartitionError, ScheduleError
 from replica.layout import TUNED_SCHEDULES, Layout, schedule_kind
 from replica.partition.cost import DeviceSpec
+from replica.partition.partitioner import held_activations
 from replica.partition.plan import Plan
 from replica.planner.costs import rank_memory, stage_costs_from_plan
 from replica.planner.options import PlannerOptions
@@ -48,12 +49,12 @@ class Candidate:
     step_time_s: float
     peak_memory_bytes: int
     fits: bool
-    recompute: bool = False
+    recompute: bool | str | int = False
     bubble: float = -1.0
 
     def describe(self) -> str:
         return (f"{self.layout.describe()}, {self.num_microbatches} micro-batches"
-                f"{', recompute' if self.recompute else ''}")
+                f"{'' if self.recompute is False else f', recompute={self.recompute!r}'}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -142,8 +143,8 @@ def _zero_bubble_floor(plan: Plan, layout: Layout) -> float:
     for s in plan.stages:
         r = _rank_of(layout, s.stage_index)
         static = s.memory.parameters + s.memory.gradients + s.memory.optimizer
-        kept = 1 if plan.recompute else held.get(s.stage_index, 1)
-        memory[r] = memory.get(r, 0.0) + static + s.activation_bytes / m * kept + sum(b.nbytes for b in s.inputs)
+        memory[r] = memory.get(r, 0.0) + static + held_activations(
+            s.activation_bytes, s.recompute_bytes, sum(b.nbytes for b in s.inputs), held.get(s.stage_index, 1), m)
     return max(memory.values(), default=0.0)
 
 
@@ -190,7 +191,7 @@ def tune(
     num_microbatches: int | None = None,
     schedules: Sequence[str] = TUNED_SCHEDULES,
     data_parallel_size: int | None = None,
-    recompute: Sequence[bool] = (False, True),
+    recompute: Sequence[bool | str | int] = (False, True),
     shardings: Sequence[str] = ("none",),
     tensor_parallel_sizes: Sequence[int] = (1,),
     shard_groups: Callable[[int, int], Sequence[int]] = lambda replicas, ranks_per_replica: (replicas,),
@@ -220,7 +221,7 @@ def tune(
     state alone exceed the budget (unless nothing fits: the error then names the leanest).
     """
     candidates: list[Candidate] = []
-    plans: dict[tuple[int, int, bool, int, int], Plan | None] = {}
+    plans: dict[tuple[int, int, bool | str | int, int, int], Plan | None] = {}
     queued: list[tuple[float, int, Plan, Layout]] = []
     for tp, ranks in ((t, r) for t in tensor_parallel_sizes if world_size % t == 0
                       for r in _divisors(world_size // t)):

@@ -10,7 +10,7 @@ posts one step's share of this rank.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ class DistributedRuntime:
         *,
         timeout_s: float,
         device: torch.device,
-        recompute: bool = False,
+        recompute: bool | Mapping[int, str] = False,
         precision: str = "fp32",
     ) -> None:
         self.topology = mesh  # where this rank sits, and the groups of its layout

@@ -22,7 +22,7 @@ stage that sends an input gradient to another process computes them right after 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -48,7 +48,7 @@ from replica.schedules.schedule import (
     placement,
     splits_backward,
 )
-from replica.stage.batchnorm import recompute_context
+from replica.stage.checkpoint import checkpointed
 from replica.stage.remat import KINDS, pointwise_recompute
 from replica.stage.weightgrad import WeightGrads, collecting
 
@@ -64,17 +64,17 @@ class StepResult:
         self.loss = loss
 
 
-def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool, seed: int | None = None,
+def run_stage(stage: StageModule, args: tuple[Any, ...], recompute: bool | str, seed: int | None = None,
               pointwise: bool | Collection[str] = True, precision: str = "fp32") -> Any:
-    """A stage's forward; with ``recompute`` only its inputs are kept and the forward runs
-    again inside backward (``torch.utils.checkpoint``, RNG and autocast state preserved);
-    otherwise the outputs of the ``pointwise`` kinds of ops (:func:`.remat.pointwise_recompute`:
-    True for every kind) are rebuilt in backward. ``seed`` seeds the random ops of a stage that
-    has any (see :class:`RandomStreams`); ``precision`` "bf16" / "fp16" runs it under autocast."""
+    """A stage's forward; with ``recompute`` (True, or "selective") the whole stage is
+    checkpointed (:func:`replica.stage.checkpoint.checkpointed`: RNG and autocast state preserved;
+    its blocks are checkpointed inside its graph instead, by the parallelize step); otherwise the
+    outputs of the ``pointwise`` kinds of ops (:func:`.remat.pointwise_recompute`: True for every
+    kind) are rebuilt in backward. ``seed`` seeds the random ops of a stage that has any (see
+    :class:`RandomStreams`); ``precision`` "bf16" / "fp16" runs it under autocast."""
     with seeded(seed if stage.uses_rng else None, stage.device), autocast_for(_device(stage), precision):
         if recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False,
-                                                     context_fn=recompute_context)  # counts no batch norm twice
+            return checkpointed(stage.module, args, selective=recompute == "selective")
         with pointwise_recompute(pointwise):
             return stage.module(*args)
 
@@ -155,8 +155,9 @@ class Executor:
     """Runs ``actions`` over the ``stages`` this process holds (of all of a schedule's).
 
     ``ranks``: the schedule's pipeline ranks this process runs (all of them in one process,
-    whose actions then run in one deadlock-free serial order). ``recompute`` keeps only stage
-    inputs; ``pointwise`` rebuilds every kind of op output on the stages that hold several
+    whose actions then run in one deadlock-free serial order). ``recompute``: the stages
+    checkpointed whole, each ``"full"`` (keeps only its inputs) or ``"selective"`` (True: every
+    stage fully); ``pointwise`` rebuilds every kind of op output on the stages that hold several
     micro-batches (or send input gradients first); ``rebuilds`` are the plan's (stage, kind)
     pairs; ``early_input_grads`` lets a backward send its input gradient before computing
     its weight gradients; ``replica`` seeds this data-parallel replica's random ops;
@@ -166,7 +167,8 @@ class Executor:
     """
 
     def __init__(self, stages: Sequence[StageModule], schedule: Schedule, ranks: Collection[int], *,
-                 recompute: bool = False, pointwise: bool = False, rebuilds: Iterable[tuple[int, str]] = (),
+                 recompute: bool | Mapping[int, str] = False, pointwise: bool = False,
+                 rebuilds: Iterable[tuple[int, str]] = (),
                  early_input_grads: bool = False, replica: int = 0, precision: str = "fp32",
                  sharded: bool = False) -> None:
         self.precision = precision
@@ -176,7 +178,8 @@ class Executor:
         self.actions: list[Action] = (list(schedule[next(iter(ranks))]) if len(ranks) == 1
                                       else [a for a in execution_order(schedule, len(stages))
                                             if self.place[a.stage_index] in ranks])
-        self.recompute = recompute
+        self.recompute: dict[int, str] = dict.fromkeys(self.stages, "full") if recompute is True else \
+            {k: mode for k, mode in (recompute or {}).items() if k in self.stages}
         self.random = RandomStreams(stages, replica=replica)
         self.split_backward = splits_backward(schedule)
         # the stages that send an input gradient to another process; a W right after its own
@@ -283,7 +286,8 @@ class Executor:
                     value = value.detach().requires_grad_(train and needs_grad)
                 values.append(value)
             args = tuple(values)
-        out = run_stage(stage, args, self.recompute and train, self.random.seed(k, i),
+        again = self.recompute.get(k, False) if train else False
+        out = run_stage(stage, args, again, self.random.seed(k, i),
                         pointwise=self.rebuilt.get(k, False), precision=self.precision)
         if not stage.is_last:
             for name, readers, value in zip(stage.output_names, stage.output_destinations, out):

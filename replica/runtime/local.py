@@ -8,7 +8,7 @@ gradients to the stages that produced them (long skips go straight to their prod
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -24,7 +24,8 @@ __all__ = ["LocalRuntime", "LossFn", "StepResult"]
 class LocalRuntime:
     """Executes a schedule's actions over ``stages`` (all in this process)."""
 
-    def __init__(self, stages: Sequence[StageModule], schedule: Schedule, *, recompute: bool = False,
+    def __init__(self, stages: Sequence[StageModule], schedule: Schedule, *,
+                 recompute: bool | Mapping[int, str] = False,
                  pointwise_recompute: bool = False, rebuilds: Iterable[tuple[int, str]] = (),
                  precision: str = "fp32") -> None:
         self.stages = list(stages)

@@ -32,7 +32,7 @@ import torch.utils.checkpoint as ckpt
 from replica.stage.batchnorm import recompute_context
 from replica.stage.rewrite import node_module_path
 
-__all__ = ["checkpoint_blocks", "checkpointed_modules", "SAVED_OPS", "block_nodes"]
+__all__ = ["checkpoint_blocks", "checkpointed", "checkpointed_modules", "SAVED_OPS", "block_nodes"]
 
 _aten = torch.ops.aten
 # the products selective checkpointing keeps (torchtitan's save list: matmuls and attention)
@@ -69,10 +69,16 @@ def _contexts(selective: bool) -> tuple[ContextManager[Any], ContextManager[Any]
     return _both(forward, norm_forward), _both(again, norm_again)
 
 
-def _run(region: fx.GraphModule, selective: bool, *args: Any) -> Any:
+def checkpointed(module: torch.nn.Module, args: tuple[Any, ...], *, selective: bool = False) -> Any:
+    """``module(*args)`` under activation checkpointing (full, or ``selective``): a stage without
+    blocks, checkpointed whole; what each block's region runs."""
     if not torch.is_grad_enabled():
-        return region(*args)
-    return ckpt.checkpoint(region, *args, use_reentrant=False, context_fn=partial(_contexts, selective))
+        return module(*args)
+    return ckpt.checkpoint(module, *args, use_reentrant=False, context_fn=partial(_contexts, selective))
+
+
+def _run(region: fx.GraphModule, selective: bool, *args: Any) -> Any:
+    return checkpointed(region, args, selective=selective)
 
 
 def block_nodes(module: fx.GraphModule, block: str) -> list[fx.Node]:
