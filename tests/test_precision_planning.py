@@ -290,11 +290,17 @@ def test_each_stage_holds_what_the_memory_model_says(gpt, gpt_traced, schedule, 
         copies = 2 * numel(gpt.model, {p for n in st.node_names for p in linears.get(n, ())})
         received = sum(gpt_bytes(graph[b.name]) for b in st.inputs)
         assert received == sum(b.nbytes for b in st.inputs)
-        # each micro-batch in flight keeps its activations and its own copies of the weights;
-        # recomputing, one micro-batch's at a time
-        held = 1 if recompute else in_flight_microbatches(schedule, st.stage_index, stages, m)
-        assert st.activation_bytes == saved + m * copies
-        assert st.memory.activations == int((saved + m * copies) * held / m + received), st.stage_index
+        # each micro-batch in flight keeps its activations and its own copies of the weights, and
+        # its received inputs (the next micro-batch's too: received ahead); checkpointing every
+        # block, only the blocks' inputs, and one micro-batch's largest block while it is rebuilt
+        held = in_flight_microbatches(schedule, st.stage_index, stages, m)
+        assert st.in_flight == held
+        if recompute:
+            assert st.activation_bytes < saved + m * copies and st.recompute_bytes > 0
+        else:
+            assert st.activation_bytes == saved + m * copies and st.recompute_bytes == 0
+        assert st.memory.activations == int((st.activation_bytes * held + st.recompute_bytes
+                                             + received * min(held + 1, m)) / m), st.stage_index
 
 
 def test_bf16_weights_are_two_bytes_with_torchs_adam():

@@ -363,16 +363,16 @@ def test_an_input_gradient_sent_before_the_weight_gradients_shortens_the_step():
 def test_plan_costs_send_input_gradients_early_only_without_w():
     model, inputs, _, _ = models.tiny_gpt(8)
     # recompute=False: no rebuilds, whose savings the partitioner's budget check does not count
-    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND, recompute=False)
-    plain = stage_costs_from_plan(plan, make_schedule("1f1b", 2, 4), device=COMPUTE_BOUND)
-    split = stage_costs_from_plan(plan, make_schedule("zb-h1", 2, 4), device=COMPUTE_BOUND)
+    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=2, device=COMPUTE_BOUND, recompute=False)
+    plain = stage_costs_from_plan(plan, make_schedule("1f1b", 2, 2), device=COMPUTE_BOUND)
+    split = stage_costs_from_plan(plan, make_schedule("zb-h1", 2, 2), device=COMPUTE_BOUND)
     assert {c.input_grad_share for c in plain} == {0.6} and {c.input_grad_share for c in split} == {1.0}
     # the runtime holds a micro-batch's weight-gradient inputs meanwhile: not where that does
     # not fit the memory budget (here: exactly the plan's own estimate); the costs follow
     budget = max(s.predicted_memory_bytes for s in plan.stages)
-    bound = replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND, memory_budget=budget,
+    bound = replica.plan(model, inputs, num_stages=2, num_microbatches=2, device=COMPUTE_BOUND, memory_budget=budget,
                          recompute=False)
     assert plan.early_input_grads and not bound.early_input_grads
-    again = stage_costs_from_plan(bound, make_schedule("1f1b", 2, 4), device=COMPUTE_BOUND)
+    again = stage_costs_from_plan(bound, make_schedule("1f1b", 2, 2), device=COMPUTE_BOUND)
     assert {c.input_grad_share for c in again} == {1.0}
     assert replica.Plan.from_json(bound.to_json()).early_input_grads is False

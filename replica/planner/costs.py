@@ -45,6 +45,7 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
     m = plan.num_microbatches
     split = splits_backward(schedule)
     share = 1 - WEIGHT_SHARE if split else 1.0
+    flights = max_in_flight(schedule, plan.num_stages)
     costs = []
     for stage in plan.stages:
         k = stage.stage_index
@@ -64,8 +65,8 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
             # per micro-batch in flight: what its forward keeps and its received inputs; once: one
             # micro-batch's recomputed block, and the next micro-batch's inputs, received ahead
             activation_bytes=int(one + received),
-            static_bytes=int(memory.parameters + memory.gradients + memory.optimizer + received
-                             + stage.recompute_bytes / m),
+            static_bytes=int(memory.parameters + memory.gradients + memory.optimizer
+                             + (received if flights[k] < m else 0) + stage.recompute_bytes / m),
             forward_fixed_s=min(stage.fixed_forward_s, forward),
             backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
             input_grad_share=1 - WEIGHT_SHARE if plan.sends_input_grads_early and not split else 1.0,
