@@ -25,7 +25,7 @@ from replica.partition.blocks import block_of, find_blocks, repeated_containers
 from replica.partition.cost import CostModel
 from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo, fingerprint
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
-from replica.partition.recompute import check_mode, kept_by_selective, saves_activation, stage_activations
+from replica.partition.recompute import check_mode, kept_by_selective, regions, saves_activation, stage_activations
 from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
 
 __all__ = ["MemoryModel", "partition", "in_flight_microbatches", "weight_copy_bytes", "fsdp_unit",
@@ -179,10 +179,13 @@ def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[s
     gather the weights already cast), the bytes its largest recomputed block rebuilds at once,
     and the ops run again (:func:`replica.partition.recompute.stage_activations`)."""
     act = stage_activations(members, blocks, memory_model.recompute)
-    copies = 0 if memory_model.sharded else m * weight_copy_bytes(graph, members)
-    whole = not blocks and bool(act.again)  # the stage is its one block: its copies are rebuilt too
-    kept = int(cm.scaled(act.kept)) + (0 if whole else copies)
-    return kept, int(cm.scaled(act.peak)) + (copies if whole else 0), act.again
+    # autocast's weight copies: kept per micro-batch outside checkpointed regions, made again inside
+    # them (one region's at a time; a stage without blocks is its one region)
+    outside = [n for n in members if n.name not in act.inside]
+    copies = 0 if memory_model.sharded else m * weight_copy_bytes(graph, outside)
+    rebuilt = 0 if memory_model.sharded or not act.inside else m * max(
+        weight_copy_bytes(graph, region) for region in regions(members, blocks) if region and region[0].name in act.inside)
+    return int(cm.scaled(act.kept)) + copies, int(cm.scaled(act.peak)) + rebuilt, act.again
 
 
 def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
@@ -196,11 +199,15 @@ def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
     stages = []
     for st in plan.stages:
         parameters, gradients, optimizer = _state_bytes(graph, st.parameter_names, memory_model, units, m > 1)
-        copies = 0 if plan.layout.sharded else m * weight_copy_bytes(graph, [graph[n] for n in st.node_names])
         received = sum(b.nbytes for b in st.inputs)
-        whole = not st.blocks and (st.recompute is True or st.recompute == "selective")  # copies are rebuilt
-        kept, rebuilt = (st.activation_bytes, st.recompute_bytes - copies) if whole else \
-            (st.activation_bytes - copies, st.recompute_bytes)
+        kept, rebuilt = st.activation_bytes, st.recompute_bytes
+        if not plan.layout.sharded:  # FSDP gathers the weights already cast: no autocast copies
+            members = [graph[n] for n in st.node_names]
+            act = stage_activations(members, st.blocks, st.recompute)
+            kept -= m * weight_copy_bytes(graph, [n for n in members if n.name not in act.inside])
+            if act.inside:
+                rebuilt -= m * max(weight_copy_bytes(graph, r) for r in regions(members, st.blocks)
+                                   if r and r[0].name in act.inside)
         activations = int(held_activations(kept, rebuilt, received, st.in_flight, m))
         stages.append(dataclasses.replace(
             st, activation_bytes=kept, recompute_bytes=rebuilt,
@@ -355,7 +362,7 @@ def partition(
     # --- memory ---------------------------------------------------------------------------
     modes = _modes(graph, memory_model.recompute)
     fraction = models[0].batch_fraction
-    static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction)
+    static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction, modes.inside)
     kept = _segment_sums(modes.kept * fraction / m, seg_of, num_seg) + copies  # a micro-batch's
     blocks_in = _segment_sums(modes.block_start, seg_of, num_seg)
     if modes.whole:  # no blocks: a stage is its one block, its whole saved activations rebuilt at once
@@ -430,7 +437,8 @@ def _add_reads(d: np.ndarray, first: int, reads: list[int], n: int, amount: floa
 
 
 def _memory_matrices(
-    graph: Graph, seg_of: np.ndarray, num_seg: int, memory_model: MemoryModel, m: int, fraction: float
+    graph: Graph, seg_of: np.ndarray, num_seg: int, memory_model: MemoryModel, m: int, fraction: float,
+    rebuilt: frozenset[str] = frozenset(),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per stage ``[i, j)`` of segments: bytes of weights + gradients + optimizer state (each
     parameter once, wherever it is read; as ``memory_model`` shards them), per micro-batch in
@@ -446,7 +454,7 @@ def _memory_matrices(
     for i, x in enumerate(nodes):
         for p in (*x.parameters, *x.buffers):
             uses.setdefault(p, []).append(int(seg_of[i]))
-        for cast in x.weight_casts:
+        for cast in x.weight_casts if x.name not in rebuilt else ():  # a checkpointed op's are made again
             casts.setdefault(cast, []).append(int(seg_of[i]))
     for name, where in uses.items():
         info = graph.parameters[name]
@@ -501,6 +509,7 @@ class _Modes:
     whole: bool = False  # a mode that checkpoints, on a model without blocks: a stage is its one block
     k: int = 0  # int k: the blocks checkpointed per stage, each saving ``saving`` bytes
     saving: float = 0.0
+    inside: frozenset[str] = frozenset()  # the ops in checkpointed regions: their weight casts are not kept
 
 
 def _modes(graph: Graph, mode: object) -> _Modes:
@@ -523,8 +532,8 @@ def _modes(graph: Graph, mode: object) -> _Modes:
         if mode == "selective":
             keep = np.array([1.0 if kept_by_selective(x) else 0.0 for x in nodes])
             return _Modes(saved, np.array([float(x.output_bytes) for x in nodes]) * keep, ops * (1 - keep), starts,
-                          whole=True)
-        return _Modes(saved, zeros, ops, starts, whole=True)
+                          whole=True, inside=frozenset(x.name for x in nodes if x.kind == OP))
+        return _Modes(saved, zeros, ops, starts, whole=True, inside=frozenset(x.name for x in nodes if x.kind == OP))
     k = mode if isinstance(mode, int) and not isinstance(mode, bool) else 0
     act = stage_activations(nodes, blocks, True if k else mode)
     assert act.by_node is not None
@@ -533,7 +542,7 @@ def _modes(graph: Graph, mode: object) -> _Modes:
     if k:  # the first k blocks of a stage: priced as k blocks' average saving, their time as none
         return _Modes(saved, saved, zeros, starts, peak=float(act.peak), k=k,
                       saving=float(saved.sum() - kept.sum()) / len(blocks))
-    return _Modes(saved, kept, again, starts, peak=float(act.peak))
+    return _Modes(saved, kept, again, starts, peak=float(act.peak), inside=act.inside)
 
 
 def _infeasible(graph: Graph, num_stages: int, budgets: list[float],

@@ -26,7 +26,7 @@ from replica.errors import ConfigError
 from replica.partition.blocks import block_of
 from replica.partition.graph import INPUT, OP, Node
 
-__all__ = ["MODES", "check_mode", "saves_activation", "kept_by_selective", "stage_activations", "Activations",
+__all__ = ["MODES", "check_mode", "saves_activation", "kept_by_selective", "stage_activations", "Activations", "regions",
            "describe_mode", "needs_blocks"]
 
 MODES = (False, True, "selective")  # and any int k >= 0
@@ -77,12 +77,14 @@ def kept_by_selective(n: Node) -> bool:
 class Activations:
     """A stage's activations under a mode, at the traced batch: ``kept`` from each forward to its
     backward, ``peak`` held at once while one block is recomputed (the largest block's), and
-    ``again``: the ops whose forward runs again in backward."""
+    ``again``: the ops whose forward runs again in backward. Autocast's copies of the weights a
+    checkpointed region reads are not kept either: made again in its recomputation."""
 
     kept: int
     peak: int
     again: frozenset[str]
     by_node: "dict[str, int] | None" = None  # ``kept`` by the node whose output it is
+    inside: frozenset[str] = frozenset()  # the ops in checkpointed regions (their weight casts are rebuilt too)
 
 
 def regions(members: Sequence[Node], blocks: Sequence[str]) -> list[list[Node]]:
@@ -136,4 +138,4 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
     by_node.update((name, b) for name, b in kept_inputs.items() if name in inside or name not in saved_all)
     for name, b in kept_selective.items():
         by_node[name] = max(by_node.get(name, 0), b)  # an output both kept and a block's input: once
-    return Activations(sum(by_node.values()), peak, frozenset(again), by_node)
+    return Activations(sum(by_node.values()), peak, frozenset(again), by_node, frozenset(inside))
