@@ -69,3 +69,56 @@ def test_every_mode_and_schedule_gives_the_plain_gradients(mode, schedule, num_s
     assert made == expected and (made > 0) == (mode is not False)
     torch.testing.assert_close(pm.train_step(inputs, target), ref_loss.detach())
     assert_same_grads(pm, ref)
+
+
+def test_each_stage_s_mode_is_in_the_plan_json_and_summary():
+    model, inputs, _, _ = models.tiny_gpt(8, num_layers=4)
+    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND, recompute=1)
+    assert [s.recompute for s in plan.stages] == [1, 1] and all(len(s.blocks) >= 2 for s in plan.stages)
+    back = replica.Plan.from_json(plan.to_json())
+    assert [(s.recompute, s.blocks, s.recompute_bytes) for s in back.stages] == \
+        [(s.recompute, s.blocks, s.recompute_bytes) for s in plan.stages]
+    text = plan.summary()
+    assert "checkpointing the first 1 blocks of each stage" in text
+    assert f"1 of {len(plan.stages[1].blocks)} blocks" in text
+
+
+def test_modes_order_the_predicted_activations():
+    model, inputs, _, _ = models.tiny_gpt(8, num_layers=4)
+    held = {repr(mode): replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND,
+                                     recompute=mode).stages[0] for mode in (False, 1, "selective", True)}
+    act = {mode: s.memory.activations for mode, s in held.items()}  # keyed by repr: 1 == True
+    assert act["False"] > act["1"] > act["True"] and act["False"] > act["'selective'"] > act["True"]
+    # what checkpointing costs: the forward of what it rebuilds, again in backward
+    assert held["False"].backward_time_s < held["'selective'"].backward_time_s < held["True"].backward_time_s
+
+
+def test_k_beyond_a_stage_s_blocks_names_the_stage_its_blocks_and_the_fix():
+    model, inputs, _, loss_fn = models.tiny_gpt(8, num_layers=4)
+    plan = replica.plan(model, inputs, num_stages=2, num_microbatches=4, device=COMPUTE_BOUND, recompute=True)
+    fewest = min(plan.stages, key=lambda s: len(s.blocks))
+    k = len(fewest.blocks) + 1
+    with pytest.raises(replica.ConfigError, match=rf"recompute={k} checkpoints the first {k} blocks of each stage, but "
+                                                  rf"stage {fewest.stage_index} holds {k - 1}: "
+                                                  rf"{', '.join(fewest.blocks)}\. Use recompute={k - 1}"):
+        replica.auto_parallel(model, inputs, num_stages=2, num_microbatches=4, loss_fn=loss_fn, device=COMPUTE_BOUND,
+                              recompute=k)
+
+
+@pytest.mark.parametrize("mode", ["selective", 2])
+def test_a_block_mode_for_a_model_without_blocks_is_a_config_error(mode):
+    model, inputs, _, loss_fn = models.mlp(8, num_layers=3)  # Sequential-free linears: no indexed container
+    with pytest.raises(replica.ConfigError, match=r"checkpoints blocks .* has none.* Use recompute=True"):
+        replica.auto_parallel(model, inputs, num_stages=2, loss_fn=loss_fn, device=COMPUTE_BOUND, recompute=mode)
+
+
+def test_true_on_a_model_without_blocks_checkpoints_each_stage_whole():
+    model, inputs, target, loss_fn = models.mlp(8, num_layers=3)
+    ref = copy.deepcopy(model)
+    loss_fn(ref(*inputs), target).backward()
+    pm = replica.auto_parallel(model, inputs, num_stages=2, num_microbatches=2, loss_fn=loss_fn, device=COMPUTE_BOUND,
+                               recompute=True)
+    assert all(s.blocks == () and s.recompute is True and s.recompute_note == "stage" for s in pm.plan.stages)
+    assert pm.runtime.executor.recompute == {0: "full", 1: "full"}
+    pm.train_step(inputs, target)
+    assert_same_grads(pm, ref)

@@ -226,15 +226,15 @@ class Plan:
     @property
     def recompute_title(self) -> str:
         """The plan's checkpointing for the summary's title ("" without any)."""
-        modes = {s.recompute for s in self.stages if s.recompute is not False and s.recompute != 0}
+        modes = {repr(s.recompute) for s in self.stages if s.recompute is not False and s.recompute != 0}
         if not modes:
             return ", recomputing activations" if self.recompute else ""
-        if modes == {True}:
+        if modes == {"True"}:
             return ", checkpointing every block"
-        if modes == {"selective"}:
+        if modes == {"'selective'"}:
             return ", selective checkpointing (matmul and attention outputs kept)"
-        if len(modes) == 1 and isinstance(self.recompute, int) and not isinstance(self.recompute, bool):
-            return f", checkpointing the first {self.recompute} blocks of each stage"
+        if len(modes) == 1:
+            return f", checkpointing the first {modes.pop()} blocks of each stage"
         return ", activation checkpointing per stage"
 
     def rebuilt(self, stage_index: int) -> frozenset[str]:
