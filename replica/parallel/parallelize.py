@@ -23,9 +23,10 @@ their linears' weight gradients, and whether the stage modules are FSDP2 roots.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+import torch.fx as fx
 
 from replica.parallel.fsdp import shard_stage
 from replica.parallel.mesh import ParallelMesh
@@ -37,6 +38,7 @@ from replica.schedules.actions import placement, splits_backward
 from replica.schedules.schedule import Schedule
 from replica.stage.checkpoint import checkpoint_blocks
 from replica.stage.remat import rebuildable_norms
+from replica.stage.rewrite import node_module_path
 from replica.stage.weightgrad import defer_linear_weight_grads
 
 __all__ = ["StageFlags", "stage_flags", "parallelize", "sending_input_grads", "whole_stages", "checkpointed_blocks"]
@@ -93,6 +95,14 @@ def whole_stages(plan: Plan) -> dict[int, str]:
             if not s.blocks and (s.recompute is True or s.recompute == "selective")}
 
 
+def in_blocks(blocks: Sequence[str]) -> Callable[[fx.Node], bool]:
+    """Whether a node of a stage graph runs in one of ``blocks`` (module paths)."""
+    def inside(n: fx.Node) -> bool:
+        path = node_module_path(n)
+        return any(path == b or path.startswith(b + ".") for b in blocks)
+    return inside
+
+
 def checkpointed_blocks(plan: Plan, stage_index: int) -> tuple[str, ...]:
     """The blocks stage ``stage_index`` checkpoints: all of them (True, "selective"), the first k, or none."""
     s = plan.stages[stage_index]
@@ -121,7 +131,9 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
     # 2. stage rewrites: every stage of the split (one process runs all of them)
     for stage in stages:
         if stage.stage_index in flags.deferring:
-            defer_linear_weight_grads(stage.module)
+            # a checkpointed block's linears compute their weight gradients in B: deferred to W,
+            # they would keep the block's recomputed inputs alive until then
+            defer_linear_weight_grads(stage.module, skip=in_blocks(checkpointed_blocks(plan, stage.stage_index)))
         if plan.pointwise_recompute or plan.rebuilds:
             rebuildable_norms(stage.module)  # norms that note their eps, so that their outputs can be rebuilt
     # 3. activation checkpointing: each stage's blocks, as its plan says (then compilation, its issue)

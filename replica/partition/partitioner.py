@@ -50,9 +50,10 @@ class MemoryModel:
     the graph's ``Node.weight_casts``): each micro-batch's stage forward is an autocast region
     of its own, whose cast cache makes a fresh copy, and autograd keeps that copy until the
     micro-batch's backward, so a stage holds one set per micro-batch in flight, counted with
-    its activations. (Stages whose linear layers defer their weight gradients cast those
-    weights again in backward instead of keeping them; counting their copies errs towards
-    fitting.) Activations are the ops' saved outputs in their dtypes: autocast's, in a graph
+    its activations. (Under a schedule that splits backward, the linear layers defer their
+    weight gradients and cast those weights again in backward instead of keeping them: their
+    copies are not counted; stages that defer only to send input gradients early still count
+    them, which errs towards fitting.) Activations are the ops' saved outputs in their dtypes: autocast's, in a graph
     of :func:`replica.partition.autocast.autocast_graph`.
 
     ``recompute`` is the mode of every stage (:mod:`replica.partition.recompute`): ``True``
@@ -172,8 +173,15 @@ def _state_bytes(graph: Graph, names: Sequence[str], memory_model: MemoryModel, 
     return int(held[0]), int(held[1]), int(held[2])
 
 
+def _deferred(n: Node) -> bool:
+    """Whether ``n`` is a linear layer whose weight gradient a split backward defers
+    (:func:`replica.stage.weightgrad.defer_linear_weight_grads`): it keeps no autocast copy of
+    its weight for backward (it casts the parameter again)."""
+    return n.target.split(".")[0] in ("linear", "addmm") and bool(n.parameters)
+
+
 def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[str], cm: CostModel, m: int,
-                       memory_model: MemoryModel) -> tuple[int, int, frozenset[str]]:
+                       memory_model: MemoryModel, deferring: bool = False) -> tuple[int, int, frozenset[str]]:
     """What the whole batch's forwards keep on a stage of ``members`` (each micro-batch's
     activations under the recompute mode, and autocast's weight copies where FSDP does not
     gather the weights already cast), the bytes its largest recomputed block rebuilds at once,
@@ -181,10 +189,11 @@ def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[s
     act = stage_activations(members, blocks, memory_model.recompute)
     # autocast's weight copies: kept per micro-batch outside checkpointed regions, made again inside
     # them (one region's at a time; a stage without blocks is its one region)
-    outside = [n for n in members if n.name not in act.inside]
+    outside = [n for n in members if n.name not in act.inside and not (deferring and _deferred(n))]
     copies = 0 if memory_model.sharded else m * weight_copy_bytes(graph, outside)
     rebuilt = 0 if memory_model.sharded or not act.inside else m * max(
-        weight_copy_bytes(graph, region) for region in regions(members, blocks) if region and region[0].name in act.inside)
+        weight_copy_bytes(graph, region) for region in regions(members, blocks)
+        if region and region[0].name in act.inside)
     return int(cm.scaled(act.kept)) + copies, int(cm.scaled(act.peak)) + rebuilt, act.again
 
 
@@ -362,7 +371,9 @@ def partition(
     # --- memory ---------------------------------------------------------------------------
     modes = _modes(graph, memory_model.recompute)
     fraction = models[0].batch_fraction
-    static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction, modes.inside)
+    deferred = frozenset(x.name for x in nodes if _deferred(x)) if schedule_kind(schedule).splits_backward \
+        else frozenset()
+    static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction, modes.inside | deferred)
     kept = _segment_sums(modes.kept * fraction / m, seg_of, num_seg) + copies  # a micro-batch's
     blocks_in = _segment_sums(modes.block_start, seg_of, num_seg)
     if modes.whole:  # no blocks: a stage is its one block, its whole saved activations rebuilt at once
@@ -623,6 +634,7 @@ def _describe(
     held = held_tensors(graph, [nodes[bounds[k]:bounds[k + 1]] for k in range(num_stages)])
     units = units_in_flight(graph, memory_model)
     containers = repeated_containers(n.module_path for n in nodes)
+    deferring = schedule_kind(schedule).splits_backward  # every stage's linears defer their weight gradients
     stages = []
     for k in range(num_stages):
         cm = models[k]
@@ -630,7 +642,7 @@ def _describe(
         params = held[k]
         parameters, gradients, optimizer = _state_bytes(graph, params, memory_model, units, m > 1)
         blocks = find_blocks([n.module_path for n in members], containers)
-        saved, rebuilt, again = _stage_activations(graph, members, blocks, cm, m, memory_model)
+        saved, rebuilt, again = _stage_activations(graph, members, blocks, cm, m, memory_model, deferring)
         received = sum(b.nbytes for b in incoming[k])
         # the per-call part: what a call costs whatever the micro-batch size
         fixed_fwd = sum(cm.call_overhead(n) for n in members)

@@ -26,8 +26,8 @@ from replica.errors import ConfigError
 from replica.partition.blocks import block_of
 from replica.partition.graph import INPUT, OP, Node
 
-__all__ = ["MODES", "check_mode", "saves_activation", "kept_by_selective", "stage_activations", "Activations", "regions",
-           "describe_mode", "needs_blocks"]
+__all__ = ["MODES", "check_mode", "saves_activation", "kept_by_selective", "stage_activations", "Activations",
+           "regions", "describe_mode", "needs_blocks"]
 
 MODES = (False, True, "selective")  # and any int k >= 0
 # ops whose outputs selective checkpointing keeps (the traced graph's names; stage/checkpoint.py
@@ -76,7 +76,9 @@ def kept_by_selective(n: Node) -> bool:
 @dataclass(frozen=True)
 class Activations:
     """A stage's activations under a mode, at the traced batch: ``kept`` from each forward to its
-    backward, ``peak`` held at once while one block is recomputed (the largest block's), and
+    backward, ``peak`` held at once while one block is recomputed and backpropagated (the largest
+    block's: its rebuilt activations, and as many bytes again of their gradients while its backward
+    walks it, as measured in benchmarks/activation_memory.py), and
     ``again``: the ops whose forward runs again in backward. Autocast's copies of the weights a
     checkpointed region reads are not kept either: made again in its recomputation."""
 
@@ -124,10 +126,10 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
         if mode == "selective":
             keep = {n.name for n in span if kept_by_selective(n)}
             kept_selective.update((x, here[x].output_bytes) for x in keep)
-            peak = max(peak, saved - sum(saved_all.get(x, 0) for x in keep))
+            peak = max(peak, 2 * (saved - sum(saved_all.get(x, 0) for x in keep)))
             again |= names - keep
         else:
-            peak = max(peak, saved)
+            peak = max(peak, 2 * saved)
             again |= names
         for n in span:  # the block's inputs made on this stage (received ones are priced as received)
             for a in n.inputs:

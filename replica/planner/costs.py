@@ -46,6 +46,14 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
     split = splits_backward(schedule)
     share = 1 - WEIGHT_SHARE if split else 1.0
     flights = max_in_flight(schedule, plan.num_stages)
+    # a rank rebuilds one micro-batch's block at a time, whichever of its stages runs a backward:
+    # counted on the rank's stage that rebuilds most
+    rebuilding = {}
+    for stage in plan.stages:
+        r = where[stage.stage_index]
+        if stage.recompute_bytes > plan.stages[rebuilding.get(r, stage.stage_index)].recompute_bytes \
+                or r not in rebuilding:
+            rebuilding[r] = stage.stage_index
     costs = []
     for stage in plan.stages:
         k = stage.stage_index
@@ -66,7 +74,8 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
             # micro-batch's recomputed block, and the next micro-batch's inputs, received ahead
             activation_bytes=int(one + received),
             static_bytes=int(memory.parameters + memory.gradients + memory.optimizer
-                             + (received if flights[k] < m else 0) + stage.recompute_bytes / m),
+                             + (received if flights[k] < m else 0)
+                             + (stage.recompute_bytes / m if rebuilding[where[k]] == k else 0)),
             forward_fixed_s=min(stage.fixed_forward_s, forward),
             backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
             input_grad_share=1 - WEIGHT_SHARE if plan.sends_input_grads_early and not split else 1.0,

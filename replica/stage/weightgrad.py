@@ -13,7 +13,7 @@ temporary gradient for autograd to add).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -175,11 +175,14 @@ torch.fx.wrap("linear")  # keep them one node if a rewritten module is ever trac
 torch.fx.wrap("addmm")
 
 
-def defer_linear_weight_grads(module: fx.GraphModule) -> int:
+def defer_linear_weight_grads(module: fx.GraphModule, skip: Callable[[fx.Node], bool] | None = None) -> int:
     """Route every ``nn.Linear`` and ``F.linear`` of ``module`` through :func:`linear`, and every
-    ``addmm(bias, x, weight)`` of two parameters through :func:`addmm`. Returns how many."""
+    ``addmm(bias, x, weight)`` of two parameters through :func:`addmm`, but those ``skip`` names
+    (a checkpointed block's: deferring them would keep its recomputed inputs until W). Returns how many."""
 
     def replace(graph: fx.Graph, n: fx.Node) -> fx.Node | None:
+        if skip is not None and skip(n):
+            return None
         if n.op == "call_module" and type(module.get_submodule(str(n.target))) is torch.nn.Linear:
             weight = graph.get_attr(f"{n.target}.weight")
             bias = graph.get_attr(f"{n.target}.bias") if module.get_submodule(str(n.target)).bias is not None \
