@@ -5,7 +5,8 @@ node to its last, every node between them included) into a sub-``GraphModule`` a
 through ``torch.utils.checkpoint.checkpoint`` (non-reentrant; RNG and autocast state kept).
 The stage's other ops run as before. The parameters the region reads by ``get_attr`` are read
 in the stage graph and handed in, so a parameter swapped later (FSDP2's shards) is the one the
-region sees; called modules are shared by reference, so their hooks fire in the forward and
+region sees (buffers stay inside: a batch norm's running statistics, updated in place, must not
+be a checkpoint's input); called modules are shared by reference, so their hooks fire in the forward and
 again in the recomputation, as torchtitan's checkpoint wrappers let FSDP2's do.
 
 Two ways per block (torchtitan's names):
@@ -100,10 +101,10 @@ def checkpoint_blocks(module: fx.GraphModule, blocks: Sequence[str], *, selectiv
         order = {n: i for i, n in enumerate(graph.nodes)}
         first, last = order[members[0]], order[members[-1]]
         span = [n for n in graph.nodes if first <= order[n] <= last]
-        for n in span:  # parameters are read outside, handed in
-            if n.op == "get_attr":
-                members[0].prepend(n)
-        region = [n for n in span if n.op != "get_attr"]
+        hoisted = [n for n in span if n.op == "get_attr" and _is_parameter(module, str(n.target))]
+        for n in hoisted:  # parameters are read outside, handed in
+            members[0].prepend(n)
+        region = [n for n in span if n not in hoisted]
         inside = set(region)
         inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
         outputs = [n for n in region if any(u not in inside for u in n.users)]
@@ -128,6 +129,14 @@ def checkpoint_blocks(module: fx.GraphModule, blocks: Sequence[str], *, selectiv
         graph.lint()
         module.recompile()
     return made
+
+
+def _is_parameter(module: torch.nn.Module, target: str) -> bool:
+    path, _, name = target.rpartition(".")
+    try:
+        return isinstance(getattr(module.get_submodule(path), name), torch.nn.Parameter)
+    except AttributeError:
+        return False
 
 
 def _named(call: Callable[..., Any], block: str, sub_module: fx.GraphModule) -> Callable[..., Any]:
