@@ -155,6 +155,9 @@ def _stage(fig: Figures, stage: StagePlan, boxes: list[list[ModuleBox]], graph: 
     if plan.tensor_parallel_size > 1:
         facts.append(f"tensor-parallel collectives {format_bytes(stage.tensor_parallel_bytes)} in "
                      f"{format_seconds(stage.tensor_parallel_s)} (in forward and backward, not overlapped)")
+    if stage.recompute is not False and stage.recompute != 0:
+        facts.append(f"activation checkpointing: {stage.recompute_note} (of {len(stage.blocks)} blocks), "
+                     f"one micro-batch's rebuilt block {format_bytes(stage.recompute_bytes / plan.num_microbatches)}")
     if fig.measured:
         facts.append(f"measured {format_seconds(fig.measured[k].total_s)}")
     mine, before, after = boxes[k], boxes[k - 1] if k else [], boxes[k + 1] if k + 1 < len(boxes) else []
