@@ -62,9 +62,17 @@ def describe_mode(mode: object, num_blocks: int) -> str:
     return f"{mode} of {num_blocks} blocks"
 
 
+# ops whose output no backward reads: an embedding's backward needs only its indices, and the op
+# that reads the embedding (an add, a dropout) keeps nothing of it either (benchmarks/RESULTS.md,
+# activation_memory.py: the Megatron 1T row's first stage held 26 GiB of these in the plan, none measured)
+_NOT_SAVED = frozenset({"embedding"})
+
+
 def saves_activation(n: Node) -> bool:
-    """Whether autograd keeps ``n``'s output for backward (an op with work and a floating output)."""
-    return n.kind == OP and (n.flops > 0 or n.bytes_accessed > 0) and any(t.is_floating for t in n.outputs)
+    """Whether autograd keeps ``n``'s output for backward (an op with work and a floating output,
+    but an embedding's)."""
+    return n.kind == OP and (n.flops > 0 or n.bytes_accessed > 0) and any(t.is_floating for t in n.outputs) \
+        and n.target.split(".")[0].lstrip("_") not in _NOT_SAVED
 
 
 def kept_by_selective(n: Node) -> bool:
