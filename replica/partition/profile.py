@@ -39,10 +39,19 @@ def _best(fn: Callable[..., Any], repeats: int, fresh: Callable[[], Any] | None 
     best = float("inf")
     for _ in range(repeats):
         arg = () if fresh is None else (fresh(),)
+        _wait_for_device()
         start = time.perf_counter()
         fn(*arg)
+        _wait_for_device()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _wait_for_device() -> None:
+    """Wait for the GPU's queued kernels: a CUDA op returns when it is launched, not done, so
+    an op is timed from an idle GPU to its kernels' end (a no-op where CUDA is unused)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _leaf(x: Any) -> Any:
