@@ -102,21 +102,26 @@ def _timed(step, device: torch.device, steps: int, base: int) -> tuple[float, in
 
 
 def _plain_row(size: Size, precision: str, model: torch.nn.Module, x, y, device, steps: int,
-               compiled: bool) -> dict:
+               compiled: bool = False, microbatches: int = 1) -> dict:
+    """The plain model's step on the whole batch, or accumulated over ``microbatches`` slices of
+    it (the work Replica's step does, without its runtime), eager or under ``torch.compile``."""
     base = _allocated(device)
     plain = copy.deepcopy(model).to(device)
     run = torch.compile(plain) if compiled else plain
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    pieces = list(zip(x.tensor_split(microbatches), y.tensor_split(microbatches)))
 
     def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = loss_fn(run(x), y)
-        loss.backward()
+        for xs, ys in pieces:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = loss_fn(run(xs), ys) * (len(xs) / len(x))
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     seconds, peak = _timed(step, device, steps, base)
-    return {"size": size.name, "precision": precision, "what": "torch.compile" if compiled else "plain eager",
+    what = "torch.compile" if compiled else "plain eager" if microbatches == 1 else f"plain eager x{microbatches}"
+    return {"size": size.name, "precision": precision, "what": what,
             "measured_s": seconds, "tokens_per_s": x.numel() / seconds, "measured_peak_bytes": peak}
 
 
@@ -197,6 +202,7 @@ def run(device: torch.device, sizes: list[str], steps: int, budget_s: float, com
         todo = []
         for precision in precisions:
             todo.append(("plain", precision, None, None, None))
+            todo.append(("accumulate", precision, None, None, None))
             todo += [("replica", precision, s, n, r) for s, n in SCHEDULES for r in recompute]
         if compile_reference and name == sizes[-1]:  # last: the budget cuts it before any Replica row
             todo += [("compile", precision, None, None, None) for precision in precisions]
@@ -209,7 +215,8 @@ def run(device: torch.device, sizes: list[str], steps: int, budget_s: float, com
                 if kind == "replica":
                     row = _replica_row(size, precision, schedule, stages, mode, model, x, y, device, steps, preset)
                 else:
-                    row = _plain_row(size, precision, model, x, y, device, steps, kind == "compile")
+                    row = _plain_row(size, precision, model, x, y, device, steps, compiled=kind == "compile",
+                                     microbatches=MICROBATCHES if kind == "accumulate" else 1)
             except Exception as exc:  # a failing configuration is a row: the rest still runs
                 row = {"size": name, "precision": precision, "what": kind if schedule is None
                        else f"replica {schedule}", "recompute": mode,
@@ -260,24 +267,37 @@ def _line(row: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    """A RESULTS table: one row per configuration, step times against the plain eager step."""
+    """A RESULTS table: one row per configuration, step times against the plain eager step on the
+    whole batch and on the same micro-batches (gradient accumulation: the work without the runtime)."""
     rows = result["rows"]
-    eager = {(r["size"], r["precision"]): r["measured_s"] for r in rows if r.get("what") == "plain eager"
-             and "measured_s" in r}
-    out = ["| size | precision | run | recompute | measured ms | vs eager | predicted ms (profiled) "
-           "| predicted ms (preset) | tokens/s | peak memory | predicted memory | grad error |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def eager(what: str) -> dict:
+        return {(r["size"], r["precision"]): r["measured_s"] for r in rows if r.get("what") == what
+                and "measured_s" in r}
+
+    whole, sliced = eager("plain eager"), eager(f"plain eager x{MICROBATCHES}")
+    out = [f"| size | precision | run | recompute | measured ms | vs eager | vs eager x{MICROBATCHES} "
+           "| predicted ms (plan) "
+           "| predicted ms (preset, analytic) | tokens/s | peak memory | predicted memory | grad error |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    skipped = sum("skipped" in r for r in rows)
     for r in rows:
-        if "error" in r or "skipped" in r:
-            out.append(f"| {r['size']} | {r['precision']} | {r['what']} | {r.get('recompute', '')} | "
-                       f"{'error: ' + r['error'][:120] if 'error' in r else 'skipped'} ||||||||")
+        if "skipped" in r:
             continue
-        base = eager.get((r["size"], r["precision"]))
-        ratio = f"{r['measured_s'] / base:.2f}x" if base else "-"
+        if "error" in r:
+            out.append(f"| {r['size']} | {r['precision']} | {r['what']} | {r.get('recompute', '')} | "
+                       f"error: {r['error'][:120]} |||||||||")
+            continue
+        ratio = []
+        for base in (whole.get((r["size"], r["precision"])), sliced.get((r["size"], r["precision"]))):
+            ratio.append(f"{r['measured_s'] / base:.2f}x" if base else "-")
         out.append(f"| {r['size']} | {r['precision']} | {r['what']} | {r.get('recompute', '')} | "
-                   f"{_ms(r['measured_s'])} | {ratio} | {_ms(r.get('predicted_s'))} | {_ms(r.get('analytic_s'))} | "
+                   f"{_ms(r['measured_s'])} | {ratio[0]} | {ratio[1]} | {_ms(r.get('predicted_s'))} | "
+                   f"{_ms(r.get('analytic_s'))} | "
                    f"{r['tokens_per_s']:.0f} | {_bytes(r.get('measured_peak_bytes'))} | "
                    f"{_bytes(r.get('predicted_bytes'))} | {_err(r.get('grad_error'))} |")
+    if skipped:
+        out.append(f"\n{skipped} configurations not started: the time budget (--budget-s) ran out")
     return "\n".join(out)
 
 
@@ -299,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available here; pass --device cpu (tiny sizes)")
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     sizes = args.sizes.split(",") if args.sizes else list(DEFAULT_SIZES["cuda" if device.type == "cuda" else "cpu"])
     unknown = [s for s in sizes if s not in SIZES]
