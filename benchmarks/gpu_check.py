@@ -59,7 +59,7 @@ DEFAULT_SIZES = {"cuda": ("gpt2-125m", "gpt2-350m", "gpt2-760m"), "cpu": ("tiny"
 # (schedule, stages): both on one rank; 1F1B's one stage is micro-batched gradient accumulation,
 # ZB-V runs its two chunks (the V) on the one rank with the split backward
 SCHEDULES = (("1f1b", 1), ("zb-v", 2))
-RECOMPUTE = (False, True, "pointwise")
+RECOMPUTE = (False, True, "selective", 1, "pointwise")
 PRECISIONS = ("fp32", "bf16")
 MICROBATCHES = 4
 
