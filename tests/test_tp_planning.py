@@ -363,9 +363,9 @@ def test_the_pruned_search_chooses_what_simulating_every_candidate_chooses(monke
         return replica.plan(case.model, case.example_inputs, world_size=8, schedule="auto", device="a100-80gb",
                             cost="analytic", memory_budget=budget)
 
-    # one replica per rank, zero3 replicas with selective checkpointing, 8 stages; 4 stages x 2 tensor
-    # ranks (budgets as the memory model prices per-block checkpointing and received inputs, #39)
-    budgets = (2e6, 1e6, 3e5, 2.5e5)
+    # one replica per rank, sharded replicas checkpointing every block, 8 pipeline ranks; 4 stages x 2
+    # tensor ranks (budgets as the memory model prices per-block checkpointing and received inputs, #39)
+    budgets = (2e6, 1e6, 6e5, 3e5)
     pruned = [tuned(b) for b in budgets]
     assert pruned[-1].layout.tensor_parallel_size == 2
     monkeypatch.setattr(tuner, "lower_bound", lambda plan, layout: 0.0)
