@@ -125,3 +125,21 @@ def test_true_on_a_model_without_blocks_checkpoints_each_stage_whole():
     assert pm.runtime.executor.recompute == {0: "full", 1: "full"}
     pm.train_step(inputs, target)
     assert_same_grads(pm, ref)
+
+
+def test_stages_of_one_plan_may_checkpoint_differently():
+    """The runtime reads each stage's own mode: a plan whose stages differ (as a hand-edited JSON)."""
+    import dataclasses
+
+    model, inputs, target, loss_fn = models.tiny_gpt(8, num_layers=4)
+    ref = copy.deepcopy(model)
+    loss_fn(ref(*inputs), target).backward()
+    plan = replica.plan(model, inputs, num_stages=3, num_microbatches=4, device=COMPUTE_BOUND, recompute=False)
+    mixed = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=mode) for s, mode in
+                                                   zip(plan.stages, ("selective", 1, True))))
+    mixed = replica.Plan.from_json(mixed.to_json())
+    pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, plan=mixed)
+    assert [len(checkpointed_modules(s.module)) for s in pm.stages] == \
+        [len(mixed.stages[0].blocks), 1 if mixed.stages[1].blocks else 0, len(mixed.stages[2].blocks)]
+    pm.train_step(inputs, target)
+    assert_same_grads(pm, ref)
