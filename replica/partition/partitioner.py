@@ -194,7 +194,7 @@ def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[s
     rebuilt = 0 if memory_model.sharded or not act.inside else m * max(
         weight_copy_bytes(graph, region) for region in regions(members, blocks)
         if region and region[0].name in act.inside)
-    return int(cm.scaled(act.kept)) + copies, int(cm.scaled(act.peak)) + rebuilt, act.again
+    return int(cm.scaled(act.kept)) + copies, int(cm.scaled(act.extra)) + rebuilt, act.again
 
 
 def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:

@@ -84,7 +84,7 @@ class StagePlan:
     tensor_parallel_bytes: int = 0
     # activation checkpointing (replica.partition.recompute): the stage's mode (False, True: every
     # block, "selective", int k: its first k blocks), its blocks (module paths; none: the stage is
-    # its one block), the bytes one recomputed block holds at once in backward (at the traced
+    # its one block), the bytes rebuilding its fullest block adds at once in backward (at the traced
     # batch: a micro-batch holds its share), and the micro-batches the schedule keeps in flight here
     recompute: bool | str | int = False
     blocks: tuple[str, ...] = ()

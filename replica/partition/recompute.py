@@ -95,6 +95,9 @@ class Activations:
     again: frozenset[str]
     by_node: "dict[str, int] | None" = None  # ``kept`` by the node whose output it is
     inside: frozenset[str] = frozenset()  # the ops in checkpointed regions (their weight casts are rebuilt too)
+    # what rebuilding a region holds beyond ``kept`` at that moment (the forward's kept bytes after
+    # the region are freed by then): the stage's peak is ``kept`` in flight plus this, once
+    extra: int = 0
 
 
 def regions(members: Sequence[Node], blocks: Sequence[str]) -> list[list[Node]]:
@@ -125,7 +128,8 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
     here = {n.name: n for n in members}
     inside: set[str] = set()
     kept_inputs: dict[str, int] = {}
-    peak, again = 0, set()
+    rebuilt: list[tuple[str, int]] = []  # (a region's last op, what rebuilding it holds)
+    again: set[str] = set()
     kept_selective: dict[str, int] = {}
     for span in chosen:
         names = {n.name for n in span}
@@ -134,10 +138,10 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
         if mode == "selective":
             keep = {n.name for n in span if kept_by_selective(n)}
             kept_selective.update((x, here[x].output_bytes) for x in keep)
-            peak = max(peak, 2 * (saved - sum(saved_all.get(x, 0) for x in keep)))
+            rebuilt.append((span[-1].name, 2 * (saved - sum(saved_all.get(x, 0) for x in keep))))
             again |= names - keep
         else:
-            peak = max(peak, 2 * saved)
+            rebuilt.append((span[-1].name, 2 * saved))
             again |= names
         for n in span:  # the block's inputs made on this stage (received ones are priced as received)
             for a in n.inputs:
@@ -148,4 +152,10 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
     by_node.update((name, b) for name, b in kept_inputs.items() if name in inside or name not in saved_all)
     for name, b in kept_selective.items():
         by_node[name] = max(by_node.get(name, 0), b)  # an output both kept and a block's input: once
-    return Activations(sum(by_node.values()), peak, frozenset(again), by_node, frozenset(inside))
+    # a region is rebuilt when backward reaches it: what the forward kept after it is freed by then
+    order = {n.name: i for i, n in enumerate(members)}
+    total = sum(by_node.values())
+    extra = max((held + sum(b for name, b in by_node.items() if order[name] <= order[last]) - total
+                 for last, held in rebuilt), default=0)
+    return Activations(total, max((held for _, held in rebuilt), default=0), frozenset(again), by_node,
+                       frozenset(inside), max(extra, 0))
