@@ -32,7 +32,8 @@ s x s attention scores materialized as Megatron-LM did in 2021, before flash att
 unfused torch ops: an upper bound on their memory traffic; the default SDPA prices none).
 Not modelled: Megatron's fused kernels, its scatter/gather of pipeline messages (each GPU
 sends 1/t of a boundary tensor, then an NVLink all-gather); ``recompute=True`` checkpoints every
-layer as Megatron's uniform method does (#39: every row's fullest stage fits 80 GiB); Megatron-LM trained in fp16 then, bf16 autocast here (the same A100 rate).
+layer as Megatron's uniform method does (#39: every row's fullest stage fits 80 GiB); Megatron-LM
+trained in fp16 then, bf16 autocast here (the same A100 rate).
 
 Usage: ``python benchmarks/megatron_table.py [--rows 1.7B,3.6B] [--variants preset,240tf]
 [--out table.md]``: about 90 s on a 2-core machine with the default two device variants (each
