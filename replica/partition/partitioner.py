@@ -194,7 +194,12 @@ def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[s
     rebuilt = 0 if memory_model.sharded or not act.inside else m * max(
         weight_copy_bytes(graph, region) for region in regions(members, blocks)
         if region and region[0].name in act.inside)
-    return int(cm.scaled(act.kept)) + copies, int(cm.scaled(act.extra)) + rebuilt, act.again
+    # k blocks: the first ones, rebuilt last, when the later blocks' kept activations are freed;
+    # every block: priced at the largest, as the solver prices any cut (the tuner's choice must
+    # fit again when it is cut within the budget)
+    k = memory_model.recompute
+    extra = act.extra if isinstance(k, int) and not isinstance(k, bool) else act.peak
+    return int(cm.scaled(act.kept)) + copies, int(cm.scaled(extra)) + rebuilt, act.again
 
 
 def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
