@@ -147,6 +147,9 @@ class Plan:
     # the structures cut across the layout's tensor-parallel ranks (replica.partition.
     # tensor_parallel): () with tensor_parallel_size 1, or where nothing in the graph shards
     tensor_parallel: tuple[ShardedBlock, ...] = ()
+    # with layout.sequence_parallel: (node, dim) of each value between those blocks held as a
+    # sequence shard (replica.partition.sequence_parallel); () without, or where none has such a dim
+    sequence_shards: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -313,6 +316,7 @@ class Plan:
             data["actions"] = tuple(tuple(str(a) for a in actions) for actions in data.get("actions", ()))
             data["action_starts"] = tuple(tuple(float(t) for t in starts) for starts in data.get("action_starts", ()))
             data["tensor_parallel"] = tuple(ShardedBlock.from_dict(b) for b in data.get("tensor_parallel", ()))
+            data["sequence_shards"] = tuple((str(n), int(d)) for n, d in data.get("sequence_shards", ()))
             if version == 1:  # the layout's figures stood at the top
                 ranks = data.pop("pipeline_ranks", 0) or data["num_stages"]
                 data["layout"] = {"schedule": data.pop("schedule"), "num_stages": data.pop("num_stages"),

@@ -121,7 +121,8 @@ def _check_shardable(r: PlanRequest) -> None:
 def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, r: PlanRequest, tie: float) -> Plan:
     """The plan of a layout the request fixed, with the fastest of the shardings it allows
     that fits (predictions within ``tie`` of it: whole replicas if among them, then the one
-    holding least memory, as the tuner takes), each in the shard groups the request allows.
+    holding least memory, as the tuner takes), each in the shard groups the request allows, with
+    and without sequence parallelism where the request leaves it open (without on a tie).
     Where none fits, the error of the leanest (zero3's, where it was tried)."""
     kind = schedule_kind(layout.schedule)
     d = layout.data_parallel_size
@@ -131,15 +132,17 @@ def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, r: P
                for g in ((d,) if s == "none" else r.shard_groups(d, per_replica, pricing.spec.devices_per_node))]
     plans: list[Plan] = []
     errors: dict[str, PartitionError] = {}
-    for sharding, group in allowed:
+    for (sharding, group), sp in ((a, sp) for a in allowed
+                                  for sp in r.sequence_parallel_choices(layout.tensor_parallel_size)):
         try:
-            plans.append(pricing.partition_for(dataclasses.replace(layout, sharding=sharding, shard_group_size=group),
-                                               m, recompute=recompute))
+            plans.append(pricing.partition_for(dataclasses.replace(layout, sharding=sharding, shard_group_size=group,
+                                                                   sequence_parallel=sp), m, recompute=recompute))
         except PartitionError as exc:
             errors[sharding] = exc
     if not plans:
         raise errors.get("zero3", next(iter(errors.values())))
     fastest = min(p.predicted_step_time_s for p in plans)
     near = [p for p in plans if p.predicted_step_time_s <= fastest * (1 + tie)]
-    return min(near, key=lambda p: (p.layout.sharded, max(s.predicted_memory_bytes for s in p.stages),
+    return min(near, key=lambda p: (p.layout.sharded, p.layout.sequence_parallel,
+                                    max(s.predicted_memory_bytes for s in p.stages),
                                     p.predicted_step_time_s))

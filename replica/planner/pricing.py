@@ -24,6 +24,7 @@ from replica.partition.graph import Graph
 from replica.partition.partitioner import MemoryModel, fsdp_unit, partition, reshard
 from replica.partition.plan import Plan
 from replica.partition.profile import profile
+from replica.partition.sequence_parallel import sequence_region
 from replica.partition.tensor_parallel import ShardedBlock, find_blocks
 from replica.partition.trace import Traced
 from replica.planner.costs import stage_costs_from_plan
@@ -102,6 +103,7 @@ class Pricing:
         self._graphs: dict[int, Graph] = {}
         self._tp_costs: dict[int, TensorParallelCosts | None] = {}
         self._cut: dict[int, tuple[ShardedBlock, ...]] = {}
+        self._sequence: dict[int, tuple[tuple[str, int], ...]] = {}
         self.graded, self.options = graded, options
         self.batch = microbatch.batch_size(inputs, "example_inputs")
         self.batch_scale = batch_scale
@@ -195,6 +197,16 @@ class Pricing:
             self._tp_costs[t] = sharded_costs(self.graph, self.blocks_for(t), t) if t > 1 else None
         return self._tp_costs[t]
 
+    def sequence_shards(self, layout: Layout) -> tuple[tuple[str, int], ...]:
+        """The values held as sequence shards between the blocks ``layout`` cuts (none without
+        ``layout.sequence_parallel``), found once per tensor-parallel size."""
+        t = layout.tensor_parallel_size
+        if not layout.sequence_parallel or t <= 1:
+            return ()
+        if t not in self._sequence:
+            self._sequence[t] = sequence_region(self.graph, self.blocks_for(t), t)
+        return self._sequence[t]
+
     def cost_model(self, spec: DeviceSpec, batch_fraction: float, tensor_parallel_size: int = 1) -> CostModel:
         return CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
                          measured_fraction=self.measured_fraction,
@@ -279,6 +291,7 @@ class Pricing:
                            in_flight=max_in_flight(schedule_data, layout.num_stages),
                            stage_ranks=[where[k] for k in range(layout.num_stages)], together=together(blocks))
         result = dataclasses.replace(result, layout=layout, tensor_parallel=blocks,
+                                     sequence_shards=self.sequence_shards(layout),
                                      early_input_grads=not recompute and self._early_fits(result, where))
         if not simulated:
             return dataclasses.replace(result, precision=self.precision,
