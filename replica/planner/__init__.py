@@ -67,6 +67,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                            pricing.spec.devices_per_node), r.tensor_parallel_size is not None),
                        shard_groups=lambda replicas, per_replica: r.shard_groups(replicas, per_replica,
                                                                                   pricing.spec.devices_per_node),
+                       sequence_parallel=r.sequence_parallel_choices,
                        options=r.options, **({} if schedules is None else {"schedules": schedules}))
         plan = best
     else:
