@@ -58,7 +58,8 @@ def test_json_has_a_format(plan):
     data = json.loads(plan.to_json())
     assert data["format"] == 2
     assert data["layout"] == {"schedule": "1f1b", "num_stages": 3, "pipeline_ranks": 3, "data_parallel_size": 1,
-                              "tensor_parallel_size": 1, "sharding": "none", "shard_group_size": None}
+                              "tensor_parallel_size": 1, "sharding": "none", "shard_group_size": None,
+                              "sequence_parallel": False}
 
 
 def test_a_plan_of_format_1_loads_with_its_layout(plan):

@@ -87,3 +87,23 @@ def test_planner_decides_when_left_open() -> None:
                         device="a100-80gb")
     assert isinstance(plan.layout.sequence_parallel, bool)
     assert bool(plan.sequence_shards) == plan.layout.sequence_parallel
+
+
+def test_at_scale_it_saves_memory_and_the_planner_takes_it() -> None:
+    """A 2048-token GPT on a100s (meta weights, analytic): the tokens between blocks cut in two
+    hold less and the collectives cost the same; left open, the planner takes it."""
+    from examples.gpt.model import GPT, GPTConfig
+    from replica.viz.report import render_html
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_embd=1024, n_head=8, vocab_size=8192, block_size=2048))
+    idx = torch.randint(0, 8192, (4, 2048), device="meta")
+    common = dict(world_size=2, num_stages=1, num_microbatches=2, tensor_parallel_size=2, device="a100-80gb",
+                  cost="analytic", mixed_precision="bf16")
+    tp, sp, auto = (replica.plan(model, (idx,), sequence_parallel=s, **common) for s in (False, True, None))
+    assert sp.stages[0].activation_bytes < 0.9 * tp.stages[0].activation_bytes
+    assert sp.stages[0].tensor_parallel_s == pytest.approx(tp.stages[0].tensor_parallel_s, rel=0.05)
+    assert sp.predicted_step_time_s <= tp.predicted_step_time_s
+    assert auto.layout.sequence_parallel and auto.sequence_shards == sp.sequence_shards
+    html = render_html(sp)
+    assert "reduce-scatter of" in html and "sequence parallel" in html

@@ -261,9 +261,16 @@ class Plan:
             kinds[b.kind] = kinds.get(b.kind, 0) + 1
         cut = ", ".join(f"{n} {kind}{'s' if n != 1 and kind != 'attention' else ''}" for kind, n in kinds.items())
         busiest = max(self.stages, key=lambda s: s.tensor_parallel_s)
+        if self.layout.sequence_parallel:
+            sequence = (f"; sequence parallel: {len(self.sequence_shards)} values between blocks hold 1/{t} of the "
+                        "tokens (exits reduce-scatter, entries all-gather)" if self.sequence_shards else
+                        "; sequence parallel, but no value between blocks is a (batch, tokens, features) tensor: "
+                        "the exits all-reduce as without it")
+        else:
+            sequence = ""
         return (f"tensor parallel: {t} ranks per stage, {cut} cut across them; their collectives (all-reduces, "
                 f"all-gathers, not overlapped) on the busiest stage ({busiest.stage_index}): "
-                f"{_bytes(busiest.tensor_parallel_bytes)} in {_seconds(busiest.tensor_parallel_s)} a step")
+                f"{_bytes(busiest.tensor_parallel_bytes)} in {_seconds(busiest.tensor_parallel_s)} a step{sequence}")
 
     def stage_of(self, node_name: str) -> int:
         for s in self.stages:

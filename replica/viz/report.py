@@ -106,6 +106,7 @@ def _header(fig: Figures) -> str:
          + (f" × {plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""),
          "pipeline stages × data-parallel replicas"
          + (" × tensor-parallel ranks" if plan.tensor_parallel_size > 1 else "")
+         + (" (sequence parallel)" if plan.layout.sequence_parallel else "")
          + (f", {plan.layout.sharding} sharded" if plan.layout.sharded else "")
          + (f"; collectives {format_seconds(plan.collective_s)} a step, "
             f"{format_seconds(plan.exposed_collective_s)} not hidden" if plan.data_parallel_size > 1 else "")),
@@ -195,9 +196,15 @@ def _sharded(plan: Plan, k: int, graph: "Graph | None") -> str:
         else:  # the modules owning the cut parameters
             modules = list(dict.fromkeys(p.rpartition(".")[0] or p for p, _ in b.parameters))
         cut = ", ".join(f"{p} (dim {d})" for p, d in b.parameters)
-        forward = "; ".join(f"{'all-gather' if b.gathers else 'all-reduce'} of <code>{escape(e)}</code>{escape(sized(e))}"
-                            for e in b.exits)
-        backward = "; ".join(f"all-reduce of <code>{escape(e)}</code>'s gradient{escape(sized(e))}" for e in b.entries)
+        held = {n for n, _ in plan.sequence_shards}  # sequence parallelism: split in two halves
+        forward = "; ".join([f"all-gather of <code>{escape(e)}</code>{escape(sized(e))}"
+                             for e in b.entries if e in held]
+                            + [f"{'reduce-scatter' if e in held else 'all-gather' if b.gathers else 'all-reduce'} of "
+                               f"<code>{escape(e)}</code>{escape(sized(e))}" for e in b.exits])
+        backward = "; ".join([f"{'reduce-scatter' if e in held else 'all-reduce'} of <code>{escape(e)}</code>'s "
+                              f"gradient{escape(sized(e))}" for e in b.entries]
+                             + [f"all-gather of <code>{escape(e)}</code>'s gradient{escape(sized(e))}"
+                                for e in b.exits if e in held])
         rows.append(f"<tr><td>{escape(b.kind)}</td><td>{escape(', '.join(modules) or '-')}</td>"
                     f"<td>{escape(cut)}</td><td>{forward or '-'}</td><td>{backward or '-'}</td></tr>")
     again = " (forward's again in backward: recompute)" if plan.recompute else ""

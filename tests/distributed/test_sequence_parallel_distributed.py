@@ -2,32 +2,75 @@
 residual adds between its blocks on shards of the tokens (each block's entry all-gathered,
 its exit reduce-scattered). Every gradient (gathered) equals the plain model's on the same
 batch, the example GPT and Hugging Face Llama (grouped-query attention, traced by
-torch.export), fp32 to round-off and bf16 autocast within its round-off; one spawned job
-runs every case."""
+torch.export), fp32 to round-off and bf16 autocast within its round-off; under bf16 the
+collectives of the blocks' borders move bf16, not fp32 (a block's entry enters in autocast's
+dtype). One spawned job runs every case."""
 
 from __future__ import annotations
 
-import pytest
+from collections import Counter
 
-from tests.distributed.test_distributed import _run
-from tests.distributed.test_tensor_parallel_distributed import _check, _portable
+import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import replica
+from tests.conftest import COMPUTE_BOUND
+from tests.distributed.test_distributed import STEP_TIMEOUT_S, _run
+from tests.distributed.test_tensor_parallel_distributed import CASES, _check, _portable
 
 pytestmark = pytest.mark.distributed
 
 SP = dict(tensor_parallel_size=2, num_stages=1, num_microbatches=2, schedule="1f1b", sequence_parallel=True)
 
 
+class CollectiveDtypes(TorchDispatchMode):
+    """Counts the functional collectives DTensor dispatches by (name, dtype of the tensor sent)."""
+
+    def __enter__(self) -> Counter:
+        super().__enter__()
+        self.counts: Counter = Counter()
+        return self.counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func.namespace == "_c10d_functional" and not func.__name__.startswith(("wait", "_wrap")):
+            self.counts[f"{func.__name__.split('.')[0]} {str(args[0].dtype).removeprefix('torch.')}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _dtypes(name: str, sequence_parallel: bool) -> dict:
+    """The collectives of one bf16 training step, by dtype."""
+    model, inputs, target, loss_fn, extra = CASES[name]()
+    pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S,
+                               mixed_precision="bf16", **{**SP, "sequence_parallel": sequence_parallel}, **extra)
+    with CollectiveDtypes() as counts:
+        pm.train_step(inputs, target, **extra.get("example_kwargs", {}))
+    return dict(counts)
+
+
 def sp_job(rank: int, world: int, runs: tuple[tuple[str, str | None, dict], ...]) -> bytes:
-    return _portable([_check(name, precision, layout) for name, precision, layout in runs])
+    return _portable({"checks": [_check(name, precision, layout) for name, precision, layout in runs],
+                      "sp": _dtypes("example", True), "tp": _dtypes("example", False)})
 
 
 def test_sequence_parallel_gradients_on_two_ranks() -> None:
     runs = (("example", None, SP), ("example", "bf16", SP), ("llama", None, SP), ("llama", "bf16", SP))
     reports = _run(sp_job, 2, runs)
-    for run in zip(*reports):
+    for run in zip(*(r["checks"] for r in reports)):
         assert len({r["loss"] for r in run}) == 1, run
-    for r in reports[0]:
+    for r in reports[0]["checks"]:
         assert "sequence parallel" in r["layout"], r
         assert r["cut"] > 0 and r["local"] < r["whole"], r
         # the blocks' exits reduce-scatter their partial sums into token shards, their entries gather them
         assert r["comms"].get("reduce_scatter_tensor", 0) > 0, r
+    example = reports[0]["checks"][0]["comms"]
+    # per micro-batch (2): the embedding's, 2 attention and 2 MLP exits reduce-scattered in forward,
+    # 2 + 2 entries and the head's reduce-scattered in backward; the head's logits all-gathered
+    assert example["reduce_scatter_tensor"] == 2 * (5 + 5), example
+    sp, tp = reports[0]["sp"], reports[0]["tp"]
+    # bf16, per micro-batch (2): the 4 blocks' exits and the 5 entries' gradients (cast to bf16 on
+    # entering) move bf16; only the embedding's output is fp32, as in the plain model (autocast
+    # leaves embeddings alone). Without sequence parallelism the same as all-reduces.
+    assert sp["reduce_scatter_tensor bfloat16"] == 2 * (4 + 5) and sp["reduce_scatter_tensor float32"] == 2, sp
+    assert tp["all_reduce bfloat16"] == 2 * (4 + 5) and tp["all_reduce float32"] == 2, tp
+    # with it, the norms' replicated weights and biases (5 LayerNorms) sum their gradients once a step
+    assert sp["all_reduce float32"] == 10, sp
