@@ -4,13 +4,15 @@ its exit reduce-scattered). Every gradient (gathered) equals the plain model's o
 batch, the example GPT and Hugging Face Llama (grouped-query attention, traced by
 torch.export), fp32 to round-off and bf16 autocast within its round-off; under bf16 the
 collectives of the blocks' borders move bf16, not fp32 (a block's entry enters in autocast's
-dtype). One spawned job runs every case."""
+dtype). On four ranks: with FSDP2 (2-D) and across two pipeline stages (a token shard leaving
+a stage is gathered whole). One spawned job per world size runs every case."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import replica
@@ -48,8 +50,11 @@ def _dtypes(name: str, sequence_parallel: bool) -> dict:
 
 
 def sp_job(rank: int, world: int, runs: tuple[tuple[str, str | None, dict], ...]) -> bytes:
-    return _portable({"checks": [_check(name, precision, layout) for name, precision, layout in runs],
-                      "sp": _dtypes("example", True), "tp": _dtypes("example", False)})
+    torch.set_num_threads(1)
+    checks = [_check(name, precision, layout) for name, precision, layout in runs]
+    if world != 2:
+        return _portable({"checks": checks})
+    return _portable({"checks": checks, "sp": _dtypes("example", True), "tp": _dtypes("example", False)})
 
 
 def test_sequence_parallel_gradients_on_two_ranks() -> None:
@@ -74,3 +79,17 @@ def test_sequence_parallel_gradients_on_two_ranks() -> None:
     assert tp["all_reduce bfloat16"] == 2 * (4 + 5) and tp["all_reduce float32"] == 2, tp
     # with it, the norms' replicated weights and biases (5 LayerNorms) sum their gradients once a step
     assert sp["all_reduce float32"] == 10, sp
+
+
+def test_sequence_parallel_with_fsdp_and_pipeline_on_four_ranks() -> None:
+    fsdp = {**SP, "data_parallel_size": 2, "sharded_data_parallel": "zero3"}
+    pipeline = {**SP, "num_stages": 2}
+    runs = (("example", None, fsdp), ("llama", "bf16", fsdp), ("gpt", None, pipeline))
+    reports = _run(sp_job, 4, runs)
+    for run in zip(*(r["checks"] for r in reports)):
+        assert len({r["loss"] for r in run}) == 1, run
+    for r in reports[0]["checks"]:
+        assert "x 2 tensor (sequence parallel)" in r["layout"] and r["comms"]["reduce_scatter_tensor"] > 0, r
+    example, llama, gpt = reports[0]["checks"]
+    assert "2 data (zero3 sharded)" in example["layout"] and 0.25 <= example["local"] / example["whole"] < 0.5
+    assert "2 pipeline" in gpt["layout"], gpt
