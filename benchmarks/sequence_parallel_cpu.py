@@ -12,8 +12,8 @@ pair of processes (1 thread each) and alternated round by round:
 
 Reported: the median step, the median (and range) of the per-round ratio sp / tp, the planner's
 predicted step and stage activation bytes, and, measured by a tensor-level tracker, the bytes of
-the tensors autograd saves for backward in one step on each rank (``saved_tensors_hooks``: each
-storage counted once, a DTensor by its local shard), and the first step's loss of each.
+the tensors autograd saves for backward in one step on each rank, all micro-batches together
+(``saved_tensors_hooks``: each storage counted once, a DTensor by its local shard), and the first step's loss of each.
 
 Usage: ``python benchmarks/sequence_parallel_cpu.py [--rounds 5] [--batch 16] [--microbatches 2]
 [--layers N] [--embd D] [--out results.md]``.
@@ -43,14 +43,17 @@ LAYOUTS = {"tp": False, "sp": True}
 
 
 def saved_bytes(step) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``step`` runs."""
+    """Bytes of the distinct storages autograd saves for backward while ``step`` runs, over
+    all its micro-batches (each kept referenced until the step ends, so none is reused)."""
     seen: dict[int, int] = {}
+    held: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         local = local_tensor(t)
         try:
             storage = local.untyped_storage()
             seen.setdefault(storage.data_ptr(), storage.nbytes())
+            held.append(local)
         except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper)
             pass
         return t

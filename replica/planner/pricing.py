@@ -191,7 +191,7 @@ class Pricing:
         t, sp = tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1
         if (t, sp) not in self._graphs:
             if sp:
-                self._graphs[t, sp] = sequence_graph(self.graph_for(t), self._region(t), t)
+                self._graphs[t, sp] = sequence_graph(self.graph_for(t), self.blocks_for(t), self._region(t), t)
             else:
                 self._graphs[t, sp] = sharded_graph(self.graph, self.blocks_for(t), t) if t > 1 else self.graph
         return self._graphs[t, sp]

@@ -5,7 +5,8 @@ one rank of a ``tp`` group prices, on top of :mod:`replica.planner.tensor_parall
 
 - memory: each value of the region (the exits reduce-scattered and the norms, dropouts and
   residuals after them) ``1 / tp`` of its bytes: the activations between blocks that tensor
-  parallelism alone keeps whole on every rank (:func:`sequence_graph`);
+  parallelism alone keeps whole on every rank; but a block's entry (a norm's output), whose
+  gathered copy the block's linears keep whole for backward (:func:`sequence_graph`);
 - compute: the region's ops work on ``1 / tp`` of the tokens;
 - collectives, per micro-batch, on the critical path: an exit's all-reduce (2 passes) becomes
   a reduce-scatter in forward (1 pass) and an all-gather of its gradient in backward (1); an
@@ -28,10 +29,12 @@ from replica.planner.tensor_parallel import _shard, entry_bytes
 __all__ = ["sequence_graph", "sequence_costs"]
 
 
-def sequence_graph(graph: Graph, sequence: Sequence[tuple[str, int]], size: int) -> Graph:
+def sequence_graph(graph: Graph, blocks: Sequence[ShardedBlock], sequence: Sequence[tuple[str, int]],
+                   size: int) -> Graph:
     """``graph`` (one tensor-parallel rank's, :func:`~replica.planner.tensor_parallel.sharded_graph`)
-    with the region's values ``1 / size``; ``graph`` itself for an empty region."""
-    held = {n for n, _ in sequence}
+    with the region's values ``1 / size``, but the blocks' entries: a block's linears keep their
+    gathered input, whole, for backward; ``graph`` itself for an empty region."""
+    held = {n for n, _ in sequence} - {e for b in blocks for e in b.entries}
     if size == 1 or not held:
         return graph
     nodes = [dataclasses.replace(n, users=[], outputs=tuple(_shard(t, size) for t in n.outputs)
