@@ -4,8 +4,9 @@ its exit reduce-scattered). Every gradient (gathered) equals the plain model's o
 batch, the example GPT and Hugging Face Llama (grouped-query attention, traced by
 torch.export), fp32 to round-off and bf16 autocast within its round-off; under bf16 the
 collectives of the blocks' borders move bf16, not fp32 (a block's entry enters in autocast's
-dtype). On four ranks: with FSDP2 (2-D), and across two pipeline stages (a token shard leaving
-a stage is gathered whole) under zero-bubble, recompute and rebuilt norms. One spawned job per world size runs every case."""
+dtype); the Trainer trains and checkpoints with it and resumes without it. On four ranks:
+with FSDP2 (2-D), and across two pipeline stages (a token shard leaving a stage is gathered
+whole) under zero-bubble, recompute and rebuilt norms. One spawned job per world size."""
 
 from __future__ import annotations
 
@@ -49,17 +50,55 @@ def _dtypes(name: str, sequence_parallel: bool) -> dict:
     return dict(counts)
 
 
-def sp_job(rank: int, world: int, runs: tuple[tuple[str, str | None, dict], ...]) -> bytes:
+def _trainer(directory: str) -> dict:
+    """The Trainer at tp=2 with sequence parallelism trains an epoch and checkpoints whole tensors
+    under the original names (the plain model loads them); one without it resumes from there."""
+    from replica.defaults import default_config
+    from replica.train.trainer import get_trainer
+    from tests import models
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return models.tiny_gpt(8, num_layers=2).model
+
+    _, inputs, target, loss_fn = models.tiny_gpt(16, num_layers=2)
+
+    def trainer(sequence_parallel: bool) -> object:
+        config = default_config(batch_size=8, num_stages=1, num_microbatches=2, tensor_parallel_size=2,
+                                sequence_parallel=sequence_parallel, checkpoint_dir=directory, progress=False,
+                                timeout_s=STEP_TIMEOUT_S)
+        return get_trainer(config, build(), loss_fn, lambda params: torch.optim.Adam(params, lr=1e-2))
+
+    first = trainer(True)
+    first.train_dataset(inputs[0], target, epochs=1)
+    saved = first.pipeline.state_dict()
+    plain = build()
+    replica.load_into_plain_model(directory, plain)
+    want = plain.state_dict()
+    resumed = trainer(False)
+    resumed.train_dataset(inputs[0], target, epochs=1)  # resumes at the end of epoch 1
+    again = resumed.pipeline.state_dict()
+    return {"same": all(torch.equal(v, want[k]) for k, v in saved.items() if k in want),
+            "kept": all(torch.equal(v, want[k]) for k, v in again.items() if k in want),
+            "layouts": [t.pipeline.plan.layout.describe() for t in (first, resumed)]}
+
+
+def sp_job(rank: int, world: int, runs: tuple[tuple[str, str | None, dict], ...], directory: str = "") -> bytes:
     torch.set_num_threads(1)
     checks = [_check(name, precision, layout) for name, precision, layout in runs]
     if world != 2:
         return _portable({"checks": checks})
-    return _portable({"checks": checks, "sp": _dtypes("example", True), "tp": _dtypes("example", False)})
+    return _portable({"checks": checks, "sp": _dtypes("example", True), "tp": _dtypes("example", False),
+                      "trainer": _trainer(directory)})
 
 
-def test_sequence_parallel_gradients_on_two_ranks() -> None:
+def test_sequence_parallel_gradients_on_two_ranks(tmp_path) -> None:
     runs = (("example", None, SP), ("example", "bf16", SP), ("llama", None, SP), ("llama", "bf16", SP))
-    reports = _run(sp_job, 2, runs)
+    reports = _run(sp_job, 2, runs, str(tmp_path / "ckpt"))
+    for r in reports:
+        t = r["trainer"]
+        assert t["same"] and t["kept"], t
+        assert "sequence parallel" in t["layouts"][0] and "sequence parallel" not in t["layouts"][1], t
     for run in zip(*(r["checks"] for r in reports)):
         assert len({r["loss"] for r in run}) == 1, run
     for r in reports[0]["checks"]:
