@@ -107,3 +107,10 @@ def test_at_scale_it_saves_memory_and_the_planner_takes_it() -> None:
     assert auto.layout.sequence_parallel and auto.sequence_shards == sp.sequence_shards
     html = render_html(sp)
     assert "reduce-scatter of" in html and "sequence parallel" in html
+
+
+def test_left_open_without_a_region_it_is_not_priced() -> None:
+    torch.manual_seed(0)
+    plan = replica.plan(_Flat(), (torch.randn(8, 16),), world_size=2, num_stages=1, num_microbatches=1,
+                        tensor_parallel_size=2, device="a100-80gb")
+    assert not plan.layout.sequence_parallel and not plan.sequence_shards

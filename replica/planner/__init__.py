@@ -67,7 +67,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                            pricing.spec.devices_per_node), r.tensor_parallel_size is not None),
                        shard_groups=lambda replicas, per_replica: r.shard_groups(replicas, per_replica,
                                                                                   pricing.spec.devices_per_node),
-                       sequence_parallel=r.sequence_parallel_choices,
+                       sequence_parallel=lambda t: _sequence_choices(pricing, r, t),
                        options=r.options, **({} if schedules is None else {"schedules": schedules}))
         plan = best
     else:
@@ -104,6 +104,15 @@ def _worth_cutting(pricing: Pricing, sizes: Sequence[int], asked: bool) -> tuple
     return tuple(t for t in sizes if t == 1 or pricing.blocks_for(t))
 
 
+def _sequence_choices(pricing: Pricing, r: PlanRequest, tensor_parallel_size: int) -> tuple[bool, ...]:
+    """The sequence-parallel settings worth pricing at ``tensor_parallel_size``: the request's
+    choices, but only without where the graph has no value to hold on token shards (the same plan)."""
+    choices = r.sequence_parallel_choices(tensor_parallel_size)
+    if r.sequence_parallel is None and len(choices) > 1 and not pricing.region(tensor_parallel_size):
+        return (False,)
+    return choices
+
+
 def _check_shardable(r: PlanRequest) -> None:
     """A request that must shard names a layout sharding can run: replicas, and a schedule
     that does not split backward."""
@@ -134,7 +143,7 @@ def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, r: P
     plans: list[Plan] = []
     errors: dict[str, PartitionError] = {}
     for (sharding, group), sp in ((a, sp) for a in allowed
-                                  for sp in r.sequence_parallel_choices(layout.tensor_parallel_size)):
+                                  for sp in _sequence_choices(pricing, r, layout.tensor_parallel_size)):
         try:
             plans.append(pricing.partition_for(dataclasses.replace(layout, sharding=sharding, shard_group_size=group,
                                                                    sequence_parallel=sp), m, recompute=recompute))

@@ -191,7 +191,7 @@ class Pricing:
         t, sp = tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1
         if (t, sp) not in self._graphs:
             if sp:
-                self._graphs[t, sp] = sequence_graph(self.graph_for(t), self.blocks_for(t), self._region(t), t)
+                self._graphs[t, sp] = sequence_graph(self.graph_for(t), self.blocks_for(t), self.region(t), t)
             else:
                 self._graphs[t, sp] = sharded_graph(self.graph, self.blocks_for(t), t) if t > 1 else self.graph
         return self._graphs[t, sp]
@@ -201,7 +201,7 @@ class Pricing:
         t, sp = tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1
         if (t, sp) not in self._tp_costs:
             if sp:
-                self._tp_costs[t, sp] = sequence_costs(self.graph, self.blocks_for(t), t, self._region(t))
+                self._tp_costs[t, sp] = sequence_costs(self.graph, self.blocks_for(t), t, self.region(t))
             else:
                 self._tp_costs[t, sp] = sharded_costs(self.graph, self.blocks_for(t), t) if t > 1 else None
         return self._tp_costs[t, sp]
@@ -211,9 +211,10 @@ class Pricing:
         ``layout.sequence_parallel``), found once per tensor-parallel size."""
         if not layout.sequence_parallel or layout.tensor_parallel_size <= 1:
             return ()
-        return self._region(layout.tensor_parallel_size)
+        return self.region(layout.tensor_parallel_size)
 
-    def _region(self, tensor_parallel_size: int) -> tuple[tuple[str, int], ...]:
+    def region(self, tensor_parallel_size: int) -> tuple[tuple[str, int], ...]:
+        """The values sequence parallelism holds on token shards at ``tensor_parallel_size``."""
         t = tensor_parallel_size
         if t not in self._sequence:
             self._sequence[t] = sequence_region(self.graph, self.blocks_for(t), t)
