@@ -12,8 +12,16 @@ rank of a stage's tensor-parallel group, :func:`shard_stage_tensors`:
    gradient is all-reduced in backward where DTensor finds it partial), and every value
    that leaves one becomes a plain tensor again, replicated — DTensor all-reduces a
    row-parallel output (partial sums) and all-gathers a column-parallel head's logits there.
+   Under autocast a value entering a block's linears is cast to autocast's dtype first (as
+   the linears would cast it), so its gradient's all-reduce moves half-precision bytes.
 
-Everything outside the blocks runs on plain tensors, replicated on each rank of the group.
+With the plan's sequence-parallel region (``sequence``: Megatron-SP, see
+:mod:`replica.partition.sequence_parallel`), the exits it names are reduce-scattered along the
+tokens instead (:class:`ToSequence`), the token-wise ops after them (norms, residual adds,
+dropout) run on those ``Shard(1)`` DTensors (their parameters replicated DTensors), and a
+block's entry all-gathers them (:class:`ToReplicated`); a region value read anywhere else (a
+stage output, the loss) is gathered whole. Everything else outside the blocks runs on plain
+tensors, replicated on each rank of the group.
 DTensor propagates the shardings through the ops inside a block (views keep the model's own
 head counts: shapes stay global), so the result and every gradient are the plain model's
 whatever the plan cuts; the plan only decides what is worth cutting. A stage's inputs and
@@ -324,7 +332,9 @@ def _reads_metadata(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in ("size", "dim")
     if node.op == "call_function":
-        return node.target is getattr or "sym_size" in str(node.target)
+        if node.target is getattr:
+            return len(node.args) > 1 and node.args[1] in ("shape", "dtype", "device", "ndim", "requires_grad")
+        return "sym_size" in str(node.target)
     return False
 
 
