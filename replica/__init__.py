@@ -18,6 +18,7 @@ from replica.materialize import deferred_init, materialize
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
 from replica.planner.options import PlannerOptions
+from replica.process_group import init_process_group
 from replica.runtime.heap import keep_freed_memory
 from replica.train.trainer import Trainer, get_trainer
 from replica.viz.report import visualize
@@ -42,6 +43,7 @@ __all__ = [
     "PipelineModel",
     "DeviceSpec",
     "keep_freed_memory",
+    "init_process_group",
     "ReplicaError",
     "ConfigError",
     "TraceError",

@@ -33,10 +33,12 @@ from torch.utils._pytree import tree_map
 
 from replica.amp import GradScaler
 from replica.api import PipelineModel, auto_parallel
+from replica.checkpoint import lock
 from replica.checkpoint import store as ckpt
 from replica.defaults import TrainerConfig, default_config
 from replica.errors import ConfigError
 from replica.meta import stage_device
+from replica.process_group import ensure_process_group
 from replica.runtime import heap, microbatch
 from replica.train.data import Batch, DataSource, Inputs, LoaderSource, make_source, num_samples_in, pad
 from replica.train.metrics import batch_sums, metric_names
@@ -78,10 +80,13 @@ class Trainer:
                  optimizer: torch.optim.Optimizer | OptimizerFactory, *, keep_freed_memory: bool = False,
                  init: Init | None = None, weights: str | os.PathLike[str] | None = None) -> None:
         self.config = config
+        # under torchrun with no process group yet: start it now, before any rank reads a checkpoint
+        ensure_process_group("replica.get_trainer", config.model_device or next(model.parameters()).device,
+                             timeout_s=config.timeout_s)
         if keep_freed_memory:  # asked for: process-wide, for the rest of the process (runtime/heap.py)
             heap.keep_freed_memory()
         self._on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        if config.model_device is not None and not self._on_meta:  # a meta model's stages: where auto_parallel puts them
+        if config.model_device is not None and not self._on_meta:  # a meta model: auto_parallel places its stages
             device = config.model_device
             if device.type == "cuda" and device.index is None and _distributed():
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -225,6 +230,8 @@ class Trainer:
                      "num_samples": source.num_samples}
         self._agree("train_dataset", (call, source.num_samples, batch_size, bool(shuffle), epochs))
         found = None
+        if c.checkpoint_dir is not None:  # before anything reads or writes there
+            self._lock_checkpoint_dir()
         if c.checkpoint_dir is not None and not self._resume_checked:  # before building: a meta model loads it
             found = ckpt.latest_across_ranks(c.checkpoint_dir, quarantine=True)
         if self.pipeline is None:
@@ -262,6 +269,8 @@ class Trainer:
             self.reporter.close()
         if c.checkpoint_dir is not None and self._last_saved_step != self.step:
             self.save_checkpoint()
+        if c.checkpoint_dir is not None and self.is_main:
+            lock.release(c.checkpoint_dir)  # done writing: another job may continue from here
         self.history += history
         return history
 
@@ -320,6 +329,7 @@ class Trainer:
         c, pm = self.config, self.pipeline
         if c.checkpoint_dir is None or pm is None:
             raise ConfigError("save_checkpoint needs config.checkpoint_dir and a built pipeline (train first)")
+        self._lock_checkpoint_dir()
         shard = shard_of(pm, self.optimizer, self._names, self._plain_keys, self.world_size)
         p = pm.plan
         meta = {"step": self.step, "epoch": self.epoch, "batch": self._batch_in_epoch, "call": self._call,
@@ -332,6 +342,22 @@ class Trainer:
         self._last_saved_step = self.step
         self.reporter.record("checkpoint", step=self.step, path=str(path))
         return path
+
+    def _lock_checkpoint_dir(self) -> None:
+        """Rank 0 takes ``checkpoint_dir``'s writer lock for this job (``checkpoint/lock.py``); another
+        job's lock is a ``CheckpointError`` on every rank, before any of them reads or writes there."""
+        problem = None
+        if self.is_main:
+            try:
+                lock.acquire(self.config.checkpoint_dir)
+            except ckpt.CheckpointError as exc:
+                problem = str(exc)
+        if _distributed():
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem is not None:
+            raise ckpt.CheckpointError(problem if self.is_main else f"{problem} (found by rank 0)")
 
     def _resume(self, path: Path) -> dict[str, Any]:
         """Load checkpoint ``path`` (the newest good one of ``checkpoint_dir``, which every rank
