@@ -41,6 +41,7 @@ from replica.meta import stage_device
 from replica.process_group import ensure_process_group
 from replica.runtime import heap, microbatch
 from replica.train.data import Batch, DataSource, Inputs, LoaderSource, make_source, num_samples_in, pad
+from replica.train.loss import ModelLoss
 from replica.train.metrics import batch_sums, metric_names
 from replica.train.optim import OptimizerFactory, make_optimizer
 from replica.train.report import Reporter
@@ -92,6 +93,7 @@ class Trainer:
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             model.to(device)  # parameters stay the same objects: the optimizer still points at them
         self.model, self.loss, self._optimizer_arg = model, loss, optimizer
+        self._loss_fn = ModelLoss(loss)  # a torch loss scores a ModelOutput's logits
         self._init, self._weights = init, weights
         self.device = next(model.parameters()).device
         self.loss_reduction = getattr(loss, "reduction", "mean")
@@ -165,7 +167,7 @@ class Trainer:
         planning = c.planning()
         if c.model_device is not None:  # the model was moved there: priced as where it runs
             planning["device"] = None
-        pm = auto_parallel(self.model, args, example_kwargs=kwargs, loss_fn=self.loss,
+        pm = auto_parallel(self.model, args, example_kwargs=kwargs, loss_fn=self._loss_fn,
                            loss_reduction=self.loss_reduction, timeout_s=c.timeout_s, **materialize, **planning)
         # fp16 steps through a loss scaler whose inf checks every rank shares
         self.scaler = GradScaler(device=pm.device, timeout_s=c.timeout_s) if c.precision == "fp16" else None
@@ -428,6 +430,7 @@ class Trainer:
         for out, target, n in self._outputs(source, batch_size):
             assert self.pipeline is not None
             if self.rank == 0:  # every rank holds the whole output: count it once
+                out, target = self._loss_fn.prepare(out, target)
                 totals += torch.tensor(batch_sums(self.loss, names, out, target, n), dtype=torch.float64)
         if _distributed():
             work = dist.all_reduce(totals, async_op=True)
