@@ -10,7 +10,7 @@ import replica
 from replica.process_group import default_backend, ensure_process_group, launched_world_size
 from tests import models
 from tests.conftest import COMPUTE_BOUND
-from tests.train_cases import make_trainer
+from tests.train_cases import DATA, make_trainer
 
 
 @pytest.fixture
@@ -39,3 +39,13 @@ def test_plan_lays_out_the_launchers_world(torchrun_env) -> None:
     model, inputs, _, _ = models.tiny_gpt(8)
     plan = replica.plan(model, inputs, num_stages=2, schedule="1f1b", device=COMPUTE_BOUND)
     assert plan.layout.world_size == 4, plan.layout.describe()
+
+
+@pytest.mark.parametrize("asked, says", [
+    (dict(data_parallel_size=2), "data_parallel_size=2 needs a world of processes"),
+    (dict(sharded_data_parallel=True), "sharded_data_parallel=True shards"),
+])
+def test_replicas_asked_of_one_process_are_refused_with_torchrun_named(asked: dict, says: str) -> None:
+    with pytest.raises(replica.ConfigError, match=says) as info:
+        make_trainer(batch_size=32, **asked).train_dataset(*DATA, epochs=1)
+    assert "torchrun --nproc_per_node" in str(info.value), str(info.value)
