@@ -192,7 +192,7 @@ def _check(wanted: Wanted) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 def read_weights(path: str | os.PathLike[str], wanted: Wanted, *, aliases: Mapping[str, Sequence[str]] = {},
                  all_names: Iterable[str] | None = None, strict_unexpected: bool = False,
-                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                 device: torch.device | str = "cpu", fix: str | None = None) -> dict[str, torch.Tensor]:
     """Read the tensors named in ``wanted`` (state_dict names -> (shape, dtype)) from ``path``, and no others.
 
     ``path``: a ``.safetensors`` file or ``*.safetensors.index.json``; a directory ``save_pretrained``
@@ -205,7 +205,8 @@ def read_weights(path: str | os.PathLike[str], wanted: Wanted, *, aliases: Mappi
     With ``strict_unexpected``, a stored name that none of ``all_names`` (the whole model's names;
     default ``wanted``'s) matches is an error: the checkpoint is of another model.
     Raises :class:`WeightsError` before reading any tensor, listing every missing name (with the
-    closest stored names), mis-shaped or mis-typed name and unexpected name at once.
+    closest stored names), mis-shaped or mis-typed name and unexpected name at once, then ``fix``
+    (default: check the model and config, pass ``aliases=`` and ``all_names=``).
     """
     wanted = _check(wanted)
     groups: dict[str, set[str]] = {}
@@ -241,9 +242,9 @@ def read_weights(path: str | os.PathLike[str], wanted: Wanted, *, aliases: Mappi
                      _listing("unexpected (stored, but the model has no such name)", unexpected)]
             raise WeightsError(
                 f"{source.description} ({len(stored)} tensors, names matched {how}) does not fit the "
-                f"{len(wanted)} wanted weights:\n" + "\n".join(p for p in parts if not p.startswith("  0 ")) +
-                "\nCheck that the checkpoint is of this model and config; pass aliases= for tied weights "
-                "(e.g. {'transformer.wte.weight': ('lm_head.weight',)}) and all_names= the whole model's names."
+                f"{len(wanted)} wanted weights:\n" + "\n".join(p for p in parts if not p.startswith("  0 ")) + "\n" +
+                (fix or "Check that the checkpoint is of this model and config; pass aliases= for tied weights "
+                 "(e.g. {'transformer.wte.weight': ('lm_head.weight',)}) and all_names= the whole model's names.")
             )
         out: dict[str, torch.Tensor] = {}
         read: dict[tuple[str, torch.dtype], torch.Tensor] = {}

@@ -20,7 +20,10 @@ from replica.parallel.fsdp import shard_like
 from replica.train.optim import load_state_by_name, state_by_name
 from replica.train.rng import rng_state, set_rng_state
 
-__all__ = ["shard_of", "load_into_pipeline"]
+__all__ = ["shard_of", "load_into_pipeline", "OTHER_MODEL"]
+
+OTHER_MODEL = ("config.checkpoint_dir holds checkpoints of another model (or another size or config of it): point "
+               "config.checkpoint_dir at a new directory for this model, or build the model that wrote them.")
 
 
 def _weights(pipeline: PipelineModel, plain_keys: Collection[str], *, whole: bool = True) -> dict[str, torch.Tensor]:
@@ -42,8 +45,9 @@ def shard_of(pipeline: PipelineModel, optimizer: torch.optim.Optimizer | None, n
         model, optimizer_state = _weights(pipeline, plain_keys), state_by_name(optimizer, names)
     if pipeline.data_parallel_rank != 0 or pipeline.tensor_parallel_rank != 0:
         return None
-    return ckpt.Shard(index=pipeline.pipeline_rank, count=world_size // (pipeline.data_parallel_size * pipeline.plan.layout.tensor_parallel_size),
-                      model=model, optimizer=optimizer_state, rng=rng_state())
+    count = world_size // (pipeline.data_parallel_size * pipeline.plan.layout.tensor_parallel_size)
+    return ckpt.Shard(index=pipeline.pipeline_rank, count=count, model=model, optimizer=optimizer_state,
+                      rng=rng_state())
 
 
 def load_into_pipeline(path: str | Path, pipeline: PipelineModel, optimizer: torch.optim.Optimizer | None,
@@ -57,14 +61,14 @@ def load_into_pipeline(path: str | Path, pipeline: PipelineModel, optimizer: tor
     if missing:
         raise ckpt.CheckpointError(
             f"checkpoint {path} lacks {len(missing)} of this rank's {len(held)} weights "
-            f"(e.g. {missing[:3]}): it was written for a different model"
+            f"(e.g. {missing[:3]}): it was written for a different model. {OTHER_MODEL}"
         )
     with torch.no_grad():
         for key, tensor in held.items():
             if tensor.shape != saved[key].shape:
                 raise ckpt.CheckpointError(
                     f"checkpoint {path}: {key} has shape {tuple(saved[key].shape)}, the model's is "
-                    f"{tuple(tensor.shape)}; it was written for a different model"
+                    f"{tuple(tensor.shape)}; it was written for a different model. {OTHER_MODEL}"
                 )
             tensor.copy_(shard_like(saved[key], tensor))  # a sharded replica keeps its part
     try:

@@ -45,7 +45,8 @@ from replica.train.loss import ModelLoss
 from replica.train.metrics import batch_sums, metric_names
 from replica.train.optim import OptimizerFactory, make_optimizer
 from replica.train.report import Reporter
-from replica.train.state import load_into_pipeline, shard_of
+from replica.train.state import OTHER_MODEL, load_into_pipeline, shard_of
+from replica.weights import WeightsError
 
 __all__ = ["Trainer", "get_trainer"]
 
@@ -167,8 +168,15 @@ class Trainer:
         planning = c.planning()
         if c.model_device is not None:  # the model was moved there: priced as where it runs
             planning["device"] = None
-        pm = auto_parallel(self.model, args, example_kwargs=kwargs, loss_fn=self._loss_fn,
-                           loss_reduction=self.loss_reduction, timeout_s=c.timeout_s, **materialize, **planning)
+        try:
+            pm = auto_parallel(self.model, args, example_kwargs=kwargs, loss_fn=self._loss_fn,
+                               loss_reduction=self.loss_reduction, timeout_s=c.timeout_s, **materialize, **planning)
+        except WeightsError as exc:
+            if checkpoint is None:
+                raise
+            listing = str(exc).rsplit("\n", 1)[0]  # without read_weights' own advice
+            raise ckpt.CheckpointError(f"cannot resume from {checkpoint}, the newest checkpoint in "
+                                       f"config.checkpoint_dir: {listing}\n{OTHER_MODEL}") from exc
         # fp16 steps through a loss scaler whose inf checks every rank shares
         self.scaler = GradScaler(device=pm.device, timeout_s=c.timeout_s) if c.precision == "fp16" else None
         held = dict(pm.named_parameters())
