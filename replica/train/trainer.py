@@ -186,7 +186,21 @@ class Trainer:
         p = pm.plan
         self.reporter.record("plan", num_stages=p.num_stages, num_microbatches=p.num_microbatches,
                              schedule=p.schedule, data_parallel_size=p.data_parallel_size,
-                             world_size=self.world_size)
+                             world_size=self.world_size, weights=self._weights_source(checkpoint))
+        self.reporter.say(f"replica: {self.world_size} process{'es' if self.world_size > 1 else ''}: "
+                          f"{p.layout.describe()}, {p.num_microbatches} micro-batches per replica, {p.precision}; "
+                          f"weights: {self._weights_source(checkpoint)}")
+
+    def _weights_source(self, checkpoint: Path | None) -> str:
+        """Where the weights the training starts from came from, in words."""
+        if not self._on_meta:
+            return "the model's own" + (" (then resumed from the checkpoint)" if checkpoint is not None else "")
+        if checkpoint is not None:
+            return f"checkpoint {checkpoint} (resumed; each rank read its own stages)"
+        if self._weights is not None:
+            return f"{self._weights} (each rank read its own stages)"
+        init = "reset_parameters() then init" if self._init is not None else "reset_parameters()"
+        return f"initialized by {init} from rank 0's seed"
 
     @property
     def _min_batch(self) -> int:
@@ -320,7 +334,8 @@ class Trainer:
             lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
             self.reporter.step(step=self.step, epoch=epoch, loss=loss, samples=n,
                                rate=seen / elapsed if elapsed > 0 else 0.0,
-                               lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None)
+                               lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None,
+                               num_epochs=end_epoch)
             if upcoming is None:  # the epoch's last step: train_dataset saves after moving to the next epoch
                 self._due = c.checkpoint_every_steps is not None and self.step % c.checkpoint_every_steps == 0
             elif c.checkpoint_every_steps is not None and self.step % c.checkpoint_every_steps == 0:
