@@ -375,7 +375,8 @@ def test_an_exported_checkpoint_loads_with_from_pretrained(gpt2_checkpoint, tmp_
     assert written == tmp_path / "model.safetensors"
     with safe_open(str(written), framework="pt") as f:
         assert "lm_head.weight" not in f.keys() and "transformer.wte.weight" in f.keys()
-        assert f.metadata() == {"format": "pt"}
+        assert f.metadata() == {"format": "pt", "replica_step": "2",  # what `replica export` names
+                                "replica_checkpoint": str(directory / "step-00000002")}
     model = from_pretrained(tmp_path, cfg)
     assert_state(model.state_dict(), state)
     with torch.no_grad():

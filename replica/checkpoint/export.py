@@ -81,13 +81,21 @@ def _shard_plan(names: list[str], state: dict[str, torch.Tensor], limit: int | N
     return shards
 
 
+def exported_from(step_path: Path) -> dict[str, str]:
+    """What an export records of its source (safetensors metadata are strings): the checkpoint
+    step directory and its step, e.g. ``{"replica_checkpoint": ".../step-00000012", "replica_step": "12"}``."""
+    found = re.fullmatch(r"step-(\d+)", step_path.name)
+    return {"replica_checkpoint": str(step_path), **({"replica_step": str(int(found[1]))} if found else {})}
+
+
 def export_safetensors(checkpoint_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
                        max_shard_bytes: int | str | None = None, overwrite: bool = False) -> Path:
     """Write a Replica checkpoint's weights, under their original names, as a Hugging Face model
     directory's weights: ``out_dir/model.safetensors``, or with ``max_shard_bytes`` (an int, or
     ``"5GB"`` as ``save_pretrained``'s ``max_shard_size``) ``model-0000i-of-0000n.safetensors``
     files and the ``model.safetensors.index.json`` that ``save_pretrained`` writes
-    (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``). Returns the file to load.
+    (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``). Returns the file to load;
+    its metadata name the step exported (:func:`exported_from`: ``replica_step``, ``replica_checkpoint``).
 
     ``checkpoint_path``: a ``checkpoint_dir`` (its newest good step) or one ``step-XXXXXXXX``
     directory, checksums verified. Tensors are read memory-mapped and written one at a time, so
@@ -129,12 +137,14 @@ def export_safetensors(checkpoint_path: str | os.PathLike[str], out_dir: str | o
     written = 0
     try:
         for file, shard in zip(files, shards):
-            written += write_safetensors(tmp[file], [(n, state[n]) for n in shard], metadata={"format": "pt"})
+            written += write_safetensors(tmp[file], [(n, state[n]) for n in shard],
+                                         metadata={"format": "pt", **exported_from(path)})
         index = None
         if len(files) > 1:
             weight_map = {n: file for file, shard in zip(files, shards) for n in shard}
             total_parameters = sum(state[n].numel() for n in names)
-            index = json.dumps({"metadata": {"total_size": written, "total_parameters": total_parameters},
+            index = json.dumps({"metadata": {"total_size": written, "total_parameters": total_parameters,
+                                             **exported_from(path)},
                                 "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
         for stale in held:  # an earlier export's files this one does not replace
             if stale not in files:
