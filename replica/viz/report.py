@@ -246,6 +246,11 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return "value" if shape is None else "(" + ", ".join(map(str, shape)) + ")"
 
 
+def _bytes_of(b: BoundaryTensor, num_microbatches: int) -> str:
+    """A crossing tensor's bytes (per micro-batch with ``num_microbatches``); a Python number has none."""
+    return format_bytes(b.nbytes / num_microbatches) if b.shape is not None else "a number"
+
+
 def _cut(plan: Plan, k: int) -> str:
     """The tensors crossing the cut after stage ``k``: made at or before it, read after it."""
     crossing: list[BoundaryTensor] = [b for s in plan.stages[: k + 1] for b in s.outputs
@@ -256,8 +261,8 @@ def _cut(plan: Plan, k: int) -> str:
         via = ' <span class="m">(passes through)</span>' if b.source_stage < k else ""
         rows.append(
             f"<tr><td><code>{escape(b.name)}</code>{via}</td><td>{escape(_shape(b.shape))}</td>"
-            f"<td>{escape(b.dtype or '-')}</td><td class='r'>{escape(format_bytes(b.nbytes))}</td>"
-            f"<td class='r'>{escape(format_bytes(b.nbytes / plan.num_microbatches))}</td>"
+            f"<td>{escape(b.dtype or '-')}</td><td class='r'>{escape(_bytes_of(b, 1))}</td>"
+            f"<td class='r'>{escape(_bytes_of(b, plan.num_microbatches))}</td>"
             f"<td>{b.source_stage} → {', '.join(map(str, b.destination_stages))}</td></tr>"
         )
     body = "".join(rows) or '<tr><td colspan="6">nothing crosses this cut</td></tr>'
