@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from replica.errors import ConfigError
+from replica.errors import ConfigError, ReplicaError
 
-__all__ = ["init_process_group", "ensure_process_group", "launched_world_size", "default_backend"]
+__all__ = ["init_process_group", "ensure_process_group", "launched_world_size", "default_backend",
+           "one_line_errors_off_rank_0"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -40,6 +43,10 @@ def init_process_group(backend: str | None = None, *, timeout_s: float = 300.0) 
     rank may read the previous attempt's address of a peer and fail with "Gloo connectFullMesh
     failed ... Connection refused". Here each attempt's keys live under ``attempt-N/``
     (``TORCHELASTIC_RESTART_COUNT``). Outside torchrun's agent this is the plain call.
+
+    On ranks other than 0 a Replica error that ends the script prints as one line naming the
+    rank (:func:`one_line_errors_off_rank_0`): the same error on every rank is read once, in full
+    on rank 0, and a rank that lost a peer says so without a traceback.
     """
     missing = [k for k in _ENV if k not in os.environ]
     if missing:
@@ -52,12 +59,14 @@ def init_process_group(backend: str | None = None, *, timeout_s: float = 300.0) 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        one_line_errors_off_rank_0()
         return
     agent_store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                            is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = PrefixStore(f"attempt-{attempt}/", agent_store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    one_line_errors_off_rank_0()
 
 
 def ensure_process_group(call: str, device: torch.device | str | None = None, *, timeout_s: float = 300.0) -> int:
@@ -84,3 +93,25 @@ def ensure_process_group(call: str, device: torch.device | str | None = None, *,
     kind = None if device is None or torch.device(device).type == "meta" else device
     init_process_group(default_backend(kind), timeout_s=timeout_s)
     return dist.get_world_size()
+
+
+def one_line_errors_off_rank_0() -> None:
+    """On a rank other than 0, print a :class:`ReplicaError` that ends the process as one line,
+    ``replica: rank 3: ConfigError: ...`` (its first line), instead of a traceback; anything else,
+    and everything on rank 0, prints as Python prints it. Process-wide (``sys.excepthook``): made
+    by :func:`init_process_group`, which Replica calls only under a launcher."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    previous = sys.excepthook
+    if rank == 0 or getattr(previous, "replica_rank", None) is not None:
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not isinstance(exc, ReplicaError):
+            previous(kind, exc, tb)
+            return
+        first = (str(exc).splitlines() or [""])[0]
+        more = " …" if "\n" in str(exc) or len(first) > 300 else ""
+        print(f"replica: rank {rank}: {kind.__name__}: {first[:300]}{more}", file=sys.stderr, flush=True)
+
+    hook.replica_rank = rank  # type: ignore[attr-defined]
+    sys.excepthook = hook
