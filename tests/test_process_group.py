@@ -49,3 +49,24 @@ def test_replicas_asked_of_one_process_are_refused_with_torchrun_named(asked: di
     with pytest.raises(replica.ConfigError, match=says) as info:
         make_trainer(batch_size=32, **asked).train_dataset(*DATA, epochs=1)
     assert "torchrun --nproc_per_node" in str(info.value), str(info.value)
+
+
+def test_off_rank_0_a_replica_error_ends_the_process_in_one_line(monkeypatch, capsys) -> None:
+    import sys
+
+    from replica.process_group import one_line_errors_off_rank_0
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *args: seen.append(args[0]))
+    monkeypatch.setenv("RANK", "2")
+    one_line_errors_off_rank_0()
+    error = replica.ConfigError("data_parallel_size=3 does not divide world_size=4\nthe rest of the message")
+    sys.excepthook(type(error), error, None)
+    assert capsys.readouterr().err == \
+        "replica: rank 2: ConfigError: data_parallel_size=3 does not divide world_size=4 …\n"
+    sys.excepthook(KeyError, KeyError("x"), None)  # anything else: as Python prints it
+    assert seen == [KeyError]
+    monkeypatch.setenv("RANK", "0")
+    hook = sys.excepthook
+    one_line_errors_off_rank_0()  # rank 0 prints every error whole; once made, the hook is not stacked
+    assert sys.excepthook is hook

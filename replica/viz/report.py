@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 
 from replica.partition.plan import BoundaryTensor, Plan, StagePlan
 from replica.viz import svg
-from replica.viz.figures import Figures, figures, format_bytes, format_seconds, format_share
+from replica.viz.figures import Figures, figures, format_bytes, format_seconds, format_share, pipeline_of
 from replica.viz.modules import ModuleBox, OpInfo, ops_of, stage_boxes
 
 if TYPE_CHECKING:
@@ -29,11 +29,12 @@ def visualize(
     memory_budget: float | Sequence[float] | None = None,
     device: Any = None,
 ) -> Path:
-    """Write the report of a :class:`~replica.Plan` (or a ``PipelineModel``: its plan and schedule)
-    to ``path`` as one HTML file that needs no network; returns the path.
+    """Write the report of a :class:`~replica.Plan` (or a ``PipelineModel`` or a Trainer: its plan,
+    schedule and traced graph) to ``path`` as one HTML file that needs no network; returns the path.
 
     It shows the model collapsed to modules, coloured by stage and opening down to ops (exact
-    with ``graph``, the traced graph the plan was made from; inferred from names without it);
+    with ``graph``, the traced graph the plan was made from, which a pipeline brings itself;
+    inferred from names for a bare plan without it);
     every cut's tensors; per-stage predicted (and ``measured``) times and memory against
     ``memory_budget``; and the schedule simulated as a timeline. ``measured``, ``memory_budget``
     and ``device`` are as for :func:`replica.viz.figures.figures`.
@@ -56,6 +57,8 @@ def render_html(
     """The report as a string (what :func:`visualize` writes)."""
     fig = figures(plan_or_pipeline, measured=measured, memory_budget=memory_budget, device=device)
     plan = fig.plan
+    if graph is None:  # a pipeline (or a Trainer's) keeps the graph it was traced into: ops placed exactly
+        graph = getattr(pipeline_of(plan_or_pipeline), "graph", None)
     depth, boxes = stage_boxes(ops_of(plan, graph), plan.num_stages)
     spans = [_span(b) for b in boxes]
     parts = [_header(fig), '<div class="card wide">', svg.cut_strip(fig, spans), "</div>",
