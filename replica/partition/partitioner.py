@@ -129,6 +129,11 @@ def weight_copy_bytes(graph: Graph, nodes: Sequence[Node]) -> int:
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # as replica.parallel.fsdp groups leaves into units
 
 
+# Two cuts within 1% of the optimal bottleneck cost about the same: the one at a block boundary wins
+# (a stage of whole transformer layers, not one ending after a layer's first norm); benchmarks/RESULTS.md
+BLOCK_TIE = 0.01
+
+
 def fsdp_unit(name: str) -> str:
     """The FSDP unit the runtime puts parameter ``name`` in: its block (the first
     ``<container>.<index>`` of its path, ``model.layers.3``), else "" for the stage's root unit."""
@@ -358,8 +363,11 @@ def partition(
             c[memory_matrix(k) > budgets[k]] = INF
         return c
 
+    units = [fsdp_unit(x.module_path or "") for x in nodes]  # a node's block: model.layers.3, or ""
+    at_block = np.array([0 < edges[s] < len(nodes) and units[edges[s] - 1] != units[edges[s]]
+                         for s in range(num_seg + 1)])
     try:
-        result = solve(stage_cost, num_stages)
+        result = solve(stage_cost, num_stages, preferred_cuts=at_block if at_block.any() else None, tie=BLOCK_TIE)
     except ValueError:
         raise _infeasible(graph, num_stages, budgets, (static, activation, recv), schedule, m, num_seg,
                           memory_model.recompute) from None
