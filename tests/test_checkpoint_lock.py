@@ -86,3 +86,10 @@ def test_another_hosts_lock_is_refused_and_a_dead_processs_is_taken_over(tmp_pat
     trainer = run(tmp_path, epochs=1)  # the stale lock of a dead process: taken over, and trains
     assert trainer.step == 3 and [p.name for p in ckpt.checkpoints(tmp_path)][-1] == "step-00000003"
     assert lock.holder(tmp_path) is None  # released when train_dataset finished
+
+
+def test_a_run_that_failed_lets_go_so_another_job_of_this_host_resumes(tmp_path: Path) -> None:
+    run(tmp_path, stop_at=2)  # died mid-training (an exception): the lock goes with train_dataset
+    assert lock.holder(tmp_path) is None
+    _lock_of(tmp_path, _dead_pid(), lock.job_id())  # and a lock of this job's own is always taken back
+    assert run(tmp_path).resumed_from.name == "step-00000002"

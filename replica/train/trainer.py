@@ -113,6 +113,7 @@ class Trainer:
         self._call = self._call_start_epoch = 0
         self._calls = 0
         self._resume_checked = False
+        self._writing = False  # this job holds checkpoint_dir's writer lock (train_dataset, save_checkpoint)
         self.scaler: GradScaler | None = None  # fp16's loss scaler, made with the pipeline
         self._resumed: dict[str, Any] | None = None  # the trainer state of the checkpoint loaded, until its call
         self._last_saved_step: int | None = None
@@ -253,9 +254,22 @@ class Trainer:
         self._run = {"batch_size": batch_size, "shuffle": bool(shuffle), "seed": c.seed,
                      "num_samples": source.num_samples}
         self._agree("train_dataset", (call, source.num_samples, batch_size, bool(shuffle), epochs))
+        if c.checkpoint_dir is None:
+            return self._train_call(source, call, epochs, batch_size, bool(shuffle), on_step_end)
+        self._lock_checkpoint_dir()  # before anything reads or writes there
+        self._writing = True
+        try:
+            return self._train_call(source, call, epochs, batch_size, bool(shuffle), on_step_end)
+        finally:  # done writing, or failed: another job may continue from here
+            self._writing = False
+            if self.is_main:
+                lock.release(c.checkpoint_dir)
+
+    def _train_call(self, source: DataSource, call: int, epochs: int, batch_size: int, shuffle: bool,
+                    on_step_end: Callable[["Trainer"], None] | None) -> list[dict[str, Any]]:
+        """One ``train_dataset`` call, from resuming (its first) to its last checkpoint."""
+        c = self.config
         found = None
-        if c.checkpoint_dir is not None:  # before anything reads or writes there
-            self._lock_checkpoint_dir()
         if c.checkpoint_dir is not None and not self._resume_checked:  # before building: a meta model loads it
             found = ckpt.latest_across_ranks(c.checkpoint_dir, quarantine=True)
         if self.pipeline is None:
@@ -293,8 +307,6 @@ class Trainer:
             self.reporter.close()
         if c.checkpoint_dir is not None and self._last_saved_step != self.step:
             self.save_checkpoint()
-        if c.checkpoint_dir is not None and self.is_main:
-            lock.release(c.checkpoint_dir)  # done writing: another job may continue from here
         self.history += history
         return history
 
@@ -354,7 +366,15 @@ class Trainer:
         c, pm = self.config, self.pipeline
         if c.checkpoint_dir is None or pm is None:
             raise ConfigError("save_checkpoint needs config.checkpoint_dir and a built pipeline (train first)")
-        self._lock_checkpoint_dir()
+        if not self._writing:  # a save of its own, outside train_dataset: the lock for its length
+            self._lock_checkpoint_dir()
+            self._writing = True
+            try:
+                return self.save_checkpoint()
+            finally:
+                self._writing = False
+                if self.is_main:
+                    lock.release(c.checkpoint_dir)
         shard = shard_of(pm, self.optimizer, self._names, self._plain_keys, self.world_size)
         p = pm.plan
         meta = {"step": self.step, "epoch": self.epoch, "batch": self._batch_in_epoch, "call": self._call,
