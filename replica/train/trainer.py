@@ -523,6 +523,9 @@ def get_trainer(config: TrainerConfig | None = None, model: torch.nn.Module | No
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no parameters: there is nothing to train")
+    # under torchrun: the process group first, so that an error below reads once (rank 0), not once per rank
+    ensure_process_group("replica.get_trainer", config.model_device or next(model.parameters()).device,
+                         timeout_s=config.timeout_s)
     if loss is None or not callable(loss):
         raise ConfigError(f"loss must be callable(output, target) -> scalar (e.g. torch.nn.CrossEntropyLoss()), "
                           f"got {type(loss).__name__}")
