@@ -52,9 +52,12 @@ class TrainerConfig(PlanningOptions):
       checkpoints keep. Checkpoints hold whole tensors, so a run resumes under another layout.
     - ``batch_size``: samples per optimizer step over all data-parallel replicas;
       ``shuffle``: a new order every epoch, drawn from ``seed`` and the epoch number.
-    - ``checkpoint_dir``: where ``step-XXXXXXXX/`` checkpoints go and resume from;
-      ``checkpoint_every_steps`` (None: at the end of every epoch); ``keep_checkpoints``.
-    - ``log_every_steps``, ``metrics_file`` (JSONL, appended), ``progress`` (a bar on a terminal).
+    - ``checkpoint_dir``: where ``step-XXXXXXXX/`` checkpoints go and resume from, written by
+      one job at a time (``.writer.lock``); ``checkpoint_every_steps`` (None: at the end of every
+      epoch); ``keep_checkpoints``.
+    - ``log_every_steps``, ``metrics_file`` (JSONL, appended), ``progress`` (rank 0 prints the
+      layout and where the weights came from, then a bar on a terminal, elsewhere a line every
+      ``log_every_steps`` steps; an epoch line either way).
     - ``timeout_s``: the longest wait on another rank before a clear error.
     """
 
