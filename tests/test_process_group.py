@@ -39,6 +39,8 @@ def test_plan_lays_out_the_launchers_world(torchrun_env) -> None:
     model, inputs, _, _ = models.tiny_gpt(8)
     plan = replica.plan(model, inputs, num_stages=2, schedule="1f1b", device=COMPUTE_BOUND)
     assert plan.layout.world_size == 4, plan.layout.describe()
+    with pytest.raises(replica.ConfigError, match=r"data_parallel_size=3 does not divide world_size=4.*\[1, 2, 4\]"):
+        replica.plan(model, inputs, data_parallel_size=3, device=COMPUTE_BOUND)  # the cause, not a batch of 32
 
 
 @pytest.mark.parametrize("asked, says", [
