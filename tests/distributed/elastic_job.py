@@ -8,7 +8,9 @@ it from torchrun's environment). Rank 1 is killed (``SIGKILL``, as ``kill -9``) 
 step ``CRASH_STEP`` on attempt 0 (``TORCHELASTIC_RESTART_COUNT``); the others then fail
 waiting for it, torchrun restarts them all, and the trainer resumes from the newest
 checkpoint in ``OUT_DIR/checkpoints``.
-Each rank of each attempt that finishes writes ``OUT_DIR/attempt{A}-rank{R}.json``.
+Each rank of each attempt that finishes writes ``OUT_DIR/attempt{A}-rank{R}.json``. With
+``--data-parallel-size 3`` every rank fails alike at planning: rank 0 prints the error, the
+others a line each.
 :func:`train` runs the same training in one process: the uninterrupted reference.
 """
 
@@ -38,14 +40,14 @@ CRASH_STEP = 5  # after the checkpoint of step 3, mid-epoch 0
 
 
 def train(checkpoint_dir: str | Path, *, num_stages: int | None = None, progress: bool = False,
-          on_step_end: Callable[[Trainer], None] | None = None) -> Trainer:
+          data_parallel_size: int | None = None, on_step_end: Callable[[Trainer], None] | None = None) -> Trainer:
     """The job: a small CNN on synthetic images, Adam, checkpoints every few steps."""
     torch.manual_seed(0)
     model = CifarCNN(channels=(4, 8), hidden=16, image_size=16)
     x, y = synthetic_cifar(NUM_SAMPLES, image_size=16, seed=0)
-    config = default_config(num_stages=num_stages, batch_size=32, checkpoint_dir=str(checkpoint_dir),
-                            checkpoint_every_steps=CHECKPOINT_EVERY, progress=progress, log_every_steps=2,
-                            seed=3, timeout_s=30)
+    config = default_config(num_stages=num_stages, data_parallel_size=data_parallel_size, batch_size=32,
+                            checkpoint_dir=str(checkpoint_dir), checkpoint_every_steps=CHECKPOINT_EVERY,
+                            progress=progress, log_every_steps=2, seed=3, timeout_s=30)
     trainer = get_trainer(config=config, model=model, loss=torch.nn.CrossEntropyLoss(),
                           optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
     trainer.train_dataset(x, y, epochs=EPOCHS, on_step_end=on_step_end)
@@ -55,7 +57,9 @@ def train(checkpoint_dir: str | Path, *, num_stages: int | None = None, progress
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
-    out = Path(parser.parse_args().out_dir)
+    parser.add_argument("--data-parallel-size", type=int, help="a bad one (3 of 4 ranks): the error, read once")
+    args = parser.parse_args()
+    out = Path(args.out_dir)
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -64,7 +68,8 @@ def main() -> None:
         if attempt == 0 and rank == 1 and trainer.step == CRASH_STEP:
             os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no clean-up, no goodbye to the other ranks
 
-    trainer = train(out / "checkpoints", progress=True, on_step_end=crash)  # the process group: started by it
+    trainer = train(out / "checkpoints", progress=True, data_parallel_size=args.data_parallel_size,
+                    on_step_end=crash)  # the process group: started by the trainer
     report = {"attempt": attempt, "rank": rank, "step": trainer.step,
               "resumed_from": None if trainer.resumed_from is None else trainer.resumed_from.name}
     (out / f"attempt{attempt}-rank{rank}.json").write_text(json.dumps(report))

@@ -61,3 +61,19 @@ def test_a_killed_rank_is_restarted_and_resumes_to_the_same_weights(tmp_path: Pa
     resumed = load_into_plain_model(tmp_path / "checkpoints", CifarCNN(channels=(4, 8), hidden=16, image_size=16))
     # the plan (where the cut falls, how many micro-batches) may differ from the reference's: fp32 round-off
     assert_same_weights(weights(resumed), weights(reference.model), **ACROSS_LAYOUTS)
+
+
+def test_an_error_every_rank_raises_is_read_once(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               "--monitor-interval", "0.5", str(JOB), str(tmp_path), "--data-parallel-size", "3"]
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    full = done.stdout + done.stderr
+    assert done.returncode != 0, full[-6000:]
+    whole = [line for line in full.splitlines() if "ConfigError: data_parallel_size=3 does not divide" in line]
+    assert len([line for line in whole if line.startswith("[rank0]")]) == 1, full[-12000:]  # rank 0: in full
+    tracebacks = {line.split("]")[0] for line in full.splitlines()
+                  if line.startswith("[rank") and "Traceback (most recent" in line}  # torchrun's own aside
+    assert tracebacks == {"[rank0"}, full[-12000:]
+    short = sorted(line.split(": ")[1] for line in full.splitlines() if line.startswith("replica: rank "))
+    assert short == ["rank 1", "rank 2", "rank 3"], full[-12000:]  # the others: a line each
