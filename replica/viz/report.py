@@ -180,7 +180,8 @@ def _sharded(plan: Plan, k: int, graph: "Graph | None") -> str:
         return ""
     t = plan.tensor_parallel_size
     if not blocks:
-        return f'<p class="note">Tensor parallel: nothing on this stage is cut; each of the {t} ranks computes it whole.</p>'
+        return (f'<p class="note">Tensor parallel: nothing on this stage is cut; each of the {t} ranks computes it '
+                'whole.</p>')
     share = 1 / (plan.data_parallel_size * plan.num_microbatches)  # of the traced batch, per micro-batch
 
     def sized(name: str) -> str:
@@ -198,8 +199,8 @@ def _sharded(plan: Plan, k: int, graph: "Graph | None") -> str:
         else:  # the modules owning the cut parameters
             modules = list(dict.fromkeys(p.rpartition(".")[0] or p for p, _ in b.parameters))
         cut = ", ".join(f"{p} (dim {d})" for p, d in b.parameters)
-        forward = "; ".join(f"{'all-gather' if b.gathers else 'all-reduce'} of <code>{escape(e)}</code>{escape(sized(e))}"
-                            for e in b.exits)
+        collective = "all-gather" if b.gathers else "all-reduce"
+        forward = "; ".join(f"{collective} of <code>{escape(e)}</code>{escape(sized(e))}" for e in b.exits)
         backward = "; ".join(f"all-reduce of <code>{escape(e)}</code>'s gradient{escape(sized(e))}" for e in b.entries)
         rows.append(f"<tr><td>{escape(b.kind)}</td><td>{escape(', '.join(modules) or '-')}</td>"
                     f"<td>{escape(cut)}</td><td>{forward or '-'}</td><td>{backward or '-'}</td></tr>")
