@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -74,7 +75,8 @@ def ensure_process_group(call: str, device: torch.device | str | None = None, *,
     started several processes (``WORLD_SIZE > 1``) and none is started yet: ``call`` never runs as
     one of several independent single-process jobs. ``device``: where the model is (its backend:
     NCCL for CUDA, gloo for the CPU; None or meta: this machine's default). A launcher's
-    environment that cannot start one is a ``ConfigError`` naming ``call``."""
+    environment that cannot start one is a ``ConfigError`` naming ``call``. A group started here is
+    destroyed at exit (``atexit``), so a rank that ends on an error exits with it instead of aborting."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     world = launched_world_size()
@@ -92,7 +94,13 @@ def ensure_process_group(call: str, device: torch.device | str | None = None, *,
         )
     kind = None if device is None or torch.device(device).type == "meta" else device
     init_process_group(default_backend(kind), timeout_s=timeout_s)
+    atexit.register(_destroy)  # started here, ended here: a rank leaving on an error exits, not aborts
     return dist.get_world_size()
+
+
+def _destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def one_line_errors_off_rank_0() -> None:

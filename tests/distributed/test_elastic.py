@@ -77,3 +77,4 @@ def test_an_error_every_rank_raises_is_read_once(tmp_path: Path) -> None:
     assert tracebacks == {"[rank0"}, full[-12000:]
     short = sorted(line.split(": ")[1] for line in full.splitlines() if line.startswith("replica: rank "))
     assert short == ["rank 1", "rank 2", "rank 3"], full[-12000:]  # the others: a line each
+    assert "SIGABRT" not in full and "terminate called" not in full, full[-6000:]  # they exit, not abort
