@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,7 +68,9 @@ def write_report(study: optuna.Study, path: str | Path) -> Path:
     figures, script = [], True
     for title, plot in _plots(study):
         try:
-            figure = plot(study)
+            with warnings.catch_warnings():  # "too few trials to compute importances": the page says so itself
+                warnings.simplefilter("ignore")
+                figure = plot(study)
         except (ValueError, RuntimeError, ImportError) as exc:  # too few complete trials, no parameters
             figures.append(f"<h2>{html.escape(title)}</h2><p>not drawn: {html.escape(str(exc))}</p>")
             continue
