@@ -4,7 +4,7 @@
 #   docker build -t replica .                                  # CPU: python:3.11-slim + torch's CPU wheel
 #   docker run --rm replica                                    # the demo (a GPT through a 4-stage pipeline)
 #   docker run --rm replica torchrun --nproc-per-node 2 examples/cifar10/train.py --synthetic
-#   docker build -t replica:gpu --build-arg BASE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime .
+#   docker build -t replica:gpu --build-arg BASE=pytorch/pytorch:<a 2.13.0 CUDA runtime tag> .
 #   docker run --rm --gpus all --ipc=host replica:gpu torchrun --nproc-per-node 2 examples/gpt/train.py
 #
 # Only classic Dockerfile syntax (no BuildKit-only features): it builds with the legacy builder too.
