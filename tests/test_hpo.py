@@ -4,6 +4,7 @@ pruned before it trains; a crash fails its trial only; a restarted study repeats
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import optuna
@@ -14,7 +15,7 @@ from optuna.trial import TrialState
 
 from replica.defaults import default_config
 from replica.errors import ConfigError
-from replica.hpo import TrialSetup, search
+from replica.hpo import TrialSetup, open_storage, search
 from replica.hpo.space import as_space, suggest
 from replica.train.trainer import get_trainer
 
@@ -138,3 +139,26 @@ def test_bad_input_is_a_clear_config_error() -> None:
         search(lambda trial: None, n_trials=1, world_size=1)
     with pytest.raises(ConfigError, match="space.*optuna distribution"):
         search(build, {"lr": 0.1}, n_trials=1, world_size=1)
+    with pytest.raises(ConfigError, match=r"build read trial.params\['crash'\].*add 'crash' to the space"):
+        search(build, {"lr": [0.1]}, n_trials=1, world_size=1)
+    with pytest.raises(ConfigError, match="module-level function"):
+        search(build, SPACE, n_trials=1, world_size=1, objective=lambda trainer, setup: 0.0)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_trial_left_running_by_a_killed_study_runs_again(tmp_path: Path) -> None:
+    storage = open_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_s=1)
+    killed = optuna.create_study(storage=storage, study_name="s")
+    trial = killed.ask({"width": CategoricalDistribution([256]), "lr": CategoricalDistribution([0.1]),
+                        "crash": CategoricalDistribution([False])})
+    storage.record_heartbeat(trial._trial_id)  # its process beat once, then died
+    time.sleep(4.5)  # past the grace period (3 heartbeats), which the database counts in whole seconds
+
+    def large(trial: optuna.Trial) -> TrialSetup:  # pruned before training: no process to start
+        return build(trial, width=trial.params["width"]).with_config(memory_budget=64 * 1024)
+
+    study = search(large, {"width": [256], "lr": [0.1], "crash": [False]}, n_trials=2, world_size=1,
+                   storage=storage, study_name="s")
+    first, again = sorted(study.trials, key=lambda t: t.number)
+    assert first.state == TrialState.FAIL and again.state == TrialState.PRUNED
+    assert again.params == first.params and again.system_attrs["failed_trial"] == first.number

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import optuna
 import torch
-from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryFailedTrialCallback
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages.journal import JournalFileBackend
 from optuna.study import MaxTrialsCallback
 from optuna.trial import TrialState
@@ -60,8 +62,10 @@ def open_storage(storage: Any, heartbeat_s: int = 10) -> BaseStorage | None:
     if storage is None or isinstance(storage, BaseStorage):
         return storage
     if isinstance(storage, str) and "://" in storage:
-        return RDBStorage(storage, heartbeat_interval=heartbeat_s, grace_period=3 * heartbeat_s,
-                          failed_trial_callback=RetryFailedTrialCallback(max_retry=1))
+        with warnings.catch_warnings():  # Optuna calls its heartbeat experimental
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return RDBStorage(storage, heartbeat_interval=heartbeat_s, grace_period=3 * heartbeat_s,
+                              heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1))
     if isinstance(storage, (str, os.PathLike)) and str(storage):
         return JournalStorage(JournalFileBackend(str(storage)))
     raise ConfigError(f"storage must be None, a database URL ('sqlite:///study.db'), a journal file path or an "
@@ -86,6 +90,12 @@ def _check(build: Any, n_trials: Any, workers: Any, ranks_per_trial: Any, world_
     if not callable(objective) and objective not in ("loss", "accuracy"):
         raise ConfigError(f"objective must be 'loss', 'accuracy' (Trainer.evaluate's metrics) or "
                           f"callable(trainer, setup) -> float, got {objective!r}")
+    if callable(objective):
+        try:
+            pickle.dumps(objective)
+        except Exception as exc:
+            raise ConfigError(f"objective {objective!r} cannot be sent to the trials' ranks ({exc}): make it a "
+                              "module-level function (not a lambda or a local function)") from None
     return world
 
 

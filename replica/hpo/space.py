@@ -64,6 +64,10 @@ class _Noted(dict):  # type: ignore[type-arg]
 
     def __getitem__(self, name: str) -> Any:
         self._read.add(name)
+        if name not in self:
+            raise ConfigError(f"build read trial.params[{name!r}], but the trial has no such parameter (it has "
+                              f"{sorted(self)}): add {name!r} to the space, or call trial.suggest_*({name!r}, ...) "
+                              "before reading it")
         return super().__getitem__(name)
 
     def get(self, name: str, default: Any = None) -> Any:
