@@ -86,7 +86,13 @@ echo "$out" | tail -3
 echo "$out" | grep -q "test accuracy" || fail "the 2-process torchrun job did not finish"
 echo "$out" | grep -q "2 stages × 1 replica" || fail "the torchrun job did not run a 2-stage pipeline on 2 ranks"
 
+# 8. the hyper-parameter search (the hpo extra) inside it: 2 trials side by side, each planned, then trained
+out=$(docker run --rm "$IMAGE" python examples/cifar10/hpo.py --trials 2 --train-size 64 --epochs 1 \
+      --report /tmp/hpo.html 2>&1) || { echo "$out"; fail "the hpo example failed"; }
+echo "$out" | tail -3
+echo "$out" | grep -q "trial 1:" || fail "the hpo example did not run its trials"
+
 if [ -z "${KEEP_IMAGE:-}" ]; then
     docker image rm "$IMAGE" >/dev/null && docker image prune -f >/dev/null
 fi
-say "OK: the image builds, its demo trains, torchrun runs 2 processes in it"
+say "OK: the image builds, its demo trains, torchrun runs 2 processes in it, the hpo example searches"

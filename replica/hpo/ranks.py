@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 from replica.hpo.setup import TrialSetup
+from replica.partition.plan import Plan
 from replica.train.trainer import Trainer, get_trainer
 
-__all__ = ["Objective", "measure", "train_trial"]
+__all__ = ["Objective", "layout_of", "measure", "train_trial"]
 
 Objective = Union[str, Callable[[Trainer, TrialSetup], float]]  # a metric of Trainer.evaluate, or a function
 
@@ -48,7 +49,11 @@ def train_trial(rank: int, world_size: int, setup: TrialSetup, seed: int, object
             pruned = True
             break
     assert trainer.pipeline is not None
-    p = trainer.pipeline.plan
     return {"values": values, "pruned": pruned, "seconds": time.perf_counter() - start,
-            "layout": {"num_stages": p.num_stages, "data_parallel_size": p.data_parallel_size,
-                       "num_microbatches": p.num_microbatches, "schedule": p.schedule}}
+            "layout": layout_of(trainer.pipeline.plan)}
+
+
+def layout_of(plan: Plan) -> dict[str, Any]:
+    """What a trial's table shows of its plan (JSON, for Optuna's user attributes)."""
+    return {"num_stages": plan.num_stages, "data_parallel_size": plan.data_parallel_size,
+            "num_microbatches": plan.num_microbatches, "schedule": plan.schedule}

@@ -39,10 +39,19 @@ def _note(t: FrozenTrial) -> str:
     return lines[0] if t.state == TrialState.PRUNED and lines else (lines[-1] if lines else "")
 
 
+def _layout(layout: dict[str, Any] | None) -> str | None:
+    """``2 stages × 1 replica, 1f1b, 4 micro-batches``: the layout a trial ran (or was planned)."""
+    if not layout:
+        return None
+    replicas = layout["data_parallel_size"]
+    return (f"{layout['num_stages']} stage{'s' * (layout['num_stages'] != 1)} × {replicas} "
+            f"replica{'s' * (replicas != 1)}, {layout['schedule']}, {layout['num_microbatches']} micro-batches")
+
+
 def _table(study: optuna.Study) -> str:
     trials = study.get_trials(deepcopy=False)
     names = sorted({k for t in trials for k in t.params})
-    head = ["#", "state", "value", *names, "predicted step", "predicted memory", "seconds", "note"]
+    head = ["#", "state", "value", *names, "layout", "predicted step", "predicted memory", "seconds", "note"]
     best = study.best_trial.number if any(t.state == TrialState.COMPLETE for t in trials) else None
     rows = []
     for t in trials:
@@ -50,6 +59,7 @@ def _table(study: optuna.Study) -> str:
         step = a.get("predicted_step_time_s")
         memory = a.get("predicted_memory_bytes")
         cells = [t.number, t.state.name, t.value, *(t.params.get(n) for n in names),
+                 _layout(a.get("layout") or a.get("planned_layout")),
                  format_seconds(step) if step is not None else None,
                  format_bytes(memory) if memory is not None else None,
                  f"{a['seconds']:.1f}" if "seconds" in a else None, _note(t)]

@@ -33,7 +33,7 @@ from optuna.trial import TrialState
 
 from replica.api import plan as make_plan
 from replica.errors import ConfigError, PartitionError, ReplicaError
-from replica.hpo.ranks import Objective, train_trial
+from replica.hpo.ranks import Objective, layout_of, train_trial
 from replica.hpo.report import write_report
 from replica.hpo.setup import TrialSetup, first_batch
 from replica.hpo.space import Reading, as_space, check_read, config_params, suggest
@@ -145,6 +145,7 @@ def search(
         trial.set_user_attr("ranks", ranks_per_trial)
         trial.set_user_attr("predicted_step_time_s", planned.predicted_step_time_s)
         trial.set_user_attr("predicted_memory_bytes", max(s.predicted_memory_bytes for s in planned.stages))
+        trial.set_user_attr("planned_layout", layout_of(planned))
         return _train(trial, setup, ranks_per_trial, seed, objective, trial_timeout_s)
 
     left = n_trials - len(study.get_trials(deepcopy=False, states=FINISHED))
