@@ -73,7 +73,7 @@ def open_storage(storage: Any, heartbeat_s: int = 10) -> BaseStorage | None:
 
 
 def _check(build: Any, n_trials: Any, workers: Any, ranks_per_trial: Any, world_size: int | None,
-           objective: Any) -> int:
+           objective: Any, trial_timeout_s: Any) -> int:
     if not callable(build):
         raise ConfigError(f"build must be callable(trial) -> replica.hpo.TrialSetup, got {type(build).__name__}")
     _count("n_trials", n_trials)
@@ -87,6 +87,8 @@ def _check(build: Any, n_trials: Any, workers: Any, ranks_per_trial: Any, world_
     if workers * ranks_per_trial > world:
         raise ConfigError(f"workers={workers} x ranks_per_trial={ranks_per_trial} = {workers * ranks_per_trial} ranks "
                           f"at once, more than the {said}: use workers <= {world // ranks_per_trial}")
+    if isinstance(trial_timeout_s, bool) or not isinstance(trial_timeout_s, (int, float)) or not trial_timeout_s > 0:
+        raise ConfigError(f"trial_timeout_s must be a number of seconds > 0, got {trial_timeout_s!r}")
     if not callable(objective) and objective not in ("loss", "accuracy"):
         raise ConfigError(f"objective must be 'loss', 'accuracy' (Trainer.evaluate's metrics) or "
                           f"callable(trainer, setup) -> float, got {objective!r}")
@@ -130,7 +132,7 @@ def search(
     ``world_size``: the ranks this machine runs at once (default: its CPU cores).
     ``report``: write the study's HTML page there at the end (:func:`replica.hpo.write_report`).
     """
-    _check(build, n_trials, workers, ranks_per_trial, world_size, objective)
+    _check(build, n_trials, workers, ranks_per_trial, world_size, objective, trial_timeout_s)
     distributions = as_space(space)
     if direction is None:
         direction = "maximize" if objective == "accuracy" else "minimize"
@@ -206,8 +208,13 @@ def _train(trial: optuna.Trial, setup: TrialSetup, ranks: int, seed: int, object
                 if done.done():
                     break
                 continue
-            trial.report(value, epoch)
-            verdicts.put(not trial.should_prune())
+            try:
+                trial.report(value, epoch)
+                go = not trial.should_prune()
+            except BaseException:
+                verdicts.put(False)  # the ranks stop instead of waiting for an answer
+                raise
+            verdicts.put(go)
         try:
             result = done.result()[0]
         except Exception as exc:  # a rank raised, died or hung (run_local's report), or the setup did not pickle
