@@ -42,6 +42,11 @@ def exploding_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("the loss exploded on purpose")
 
 
+def hanging_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    time.sleep(600)
+    raise AssertionError("unreachable: the trial's timeout kills its ranks first")
+
+
 def data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(64, 6, generator=g)
@@ -50,7 +55,7 @@ def data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build(trial: optuna.Trial, width: int = 16) -> TrialSetup:
     model = Net(width)
-    loss = exploding_loss if trial.params["crash"] else torch.nn.CrossEntropyLoss()
+    loss = {False: torch.nn.CrossEntropyLoss(), True: exploding_loss, "hang": hanging_loss}[trial.params["crash"]]
     return TrialSetup(model=model, loss=loss, optimizer=torch.optim.SGD(model.parameters(), lr=trial.params["lr"]),
                       train=data(0), valid=data(1), epochs=2,
                       config=default_config(progress=False, log_every_steps=1000))
@@ -147,6 +152,16 @@ def test_bad_input_is_a_clear_config_error() -> None:
         search(build, {"lr": [0.1]}, n_trials=1, world_size=1)
     with pytest.raises(ConfigError, match="module-level function"):
         search(build, SPACE, n_trials=1, world_size=1, objective=lambda trainer, setup: 0.0)
+
+
+@pytest.mark.distributed
+def test_a_hanging_trial_fails_with_its_timeout_and_the_study_goes_on() -> None:
+    space = {"lr": [0.1], "crash": ["hang"], "num_stages": [1], "batch_size": [16]}
+    start = time.perf_counter()
+    study = search(build, space, n_trials=1, world_size=1, trial_timeout_s=3)
+    (t,) = study.trials
+    assert t.state == TrialState.FAIL and "outlived trial_timeout_s=3 s" in t.user_attrs["error"]
+    assert time.perf_counter() - start < 60
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")

@@ -19,6 +19,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +44,7 @@ __all__ = ["search", "FINISHED"]
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)  # what n_trials counts
 _ERROR_CHARS = 4000  # an error kept in the trial's user attributes is cut to this length
+_GRACE_S = 5.0  # a trial's ranks still running this long past trial_timeout_s are killed
 
 
 class _TrialFailed(Exception):
@@ -198,9 +200,10 @@ def _train(trial: optuna.Trial, setup: TrialSetup, ranks: int, seed: int, object
     answering whether to go on; the last epoch's value is the trial's."""
     ctx = mp.get_context("spawn")
     progress, verdicts = ctx.Queue(), ctx.Queue()
+    start = time.perf_counter()
     with ThreadPoolExecutor(1) as pool:
         done = pool.submit(run_local, train_trial, ranks, setup, seed, objective, progress, verdicts, timeout_s,
-                           timeout_s=timeout_s)
+                           timeout_s=timeout_s, grace_s=_GRACE_S)
         while True:
             try:
                 epoch, value = progress.get(timeout=0.2)
@@ -218,7 +221,10 @@ def _train(trial: optuna.Trial, setup: TrialSetup, ranks: int, seed: int, object
         try:
             result = done.result()[0]
         except Exception as exc:  # a rank raised, died or hung (run_local's report), or the setup did not pickle
-            raise _fail(trial, f"{type(exc).__name__}: {exc}") from None
+            late = time.perf_counter() - start >= timeout_s
+            said = (f"the trial outlived trial_timeout_s={timeout_s:g} s and was stopped (raise trial_timeout_s if "
+                    "it was only slow); " if late else "")
+            raise _fail(trial, f"{said}{type(exc).__name__}: {exc}") from None
     values = result["values"]
     trial.set_user_attr("epoch_values", values)
     trial.set_user_attr("seconds", result["seconds"])
