@@ -124,7 +124,8 @@ def search(
     """Run an Optuna study of ``n_trials`` trials in all (those ``storage`` already holds count),
     ``workers`` at a time, each on ``ranks_per_trial`` ranks, and return it.
 
-    ``build(trial) -> TrialSetup``: what ``get_trainer`` takes plus data and epochs. ``space``:
+    ``build(trial) -> TrialSetup``: what ``get_trainer`` takes plus data and epochs (``trial`` is
+    Optuna's, seen through a wrapper that notes the parameters ``build`` reads). ``space``:
     ``{name: optuna distribution or list of choices}``, sampled before ``build`` runs (which reads
     ``trial.params[name]``); a name that is a ``TrainerConfig`` field (``batch_size``,
     ``num_microbatches``, ``schedule``, ...) is applied to the setup's config. Without ``space``,
