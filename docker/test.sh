@@ -76,13 +76,13 @@ cmd=$(docker image inspect -f '{{json .Config.Cmd}}' "$IMAGE")
 [ "$cmd" = '["python","examples/gpt/train.py"]' ] || fail "the image's default command is $cmd, not the demo"
 out=$(docker run --rm "$IMAGE" python examples/gpt/train.py --steps 20 --log-every 10 --max-bytes 200000 \
       --sample-tokens 20 2>&1) || { echo "$out"; fail "the demo failed"; }
-echo "$out" | tail -4
+echo "$out" | grep -E "trained|val loss" || true
 echo "$out" | grep -q "trained 20 steps" && echo "$out" | grep -q "val loss" || fail "the demo did not train"
 
 # 7. torchrun inside the container: 2 processes, gloo, the CIFAR-10 trainer on synthetic data
 out=$(docker run --rm "$IMAGE" torchrun --nproc-per-node 2 examples/cifar10/train.py --synthetic \
       --synthetic-size 256 --epochs 1 --batch-size 32 --num-stages 2 2>&1) || { echo "$out"; fail "torchrun failed"; }
-echo "$out" | tail -3
+echo "$out" | grep -E "stages ×|test accuracy" || true
 echo "$out" | grep -q "test accuracy" || fail "the 2-process torchrun job did not finish"
 echo "$out" | grep -q "2 stages × 1 replica" || fail "the torchrun job did not run a 2-stage pipeline on 2 ranks"
 
