@@ -40,7 +40,7 @@ from replica.hpo.setup import TrialSetup, first_batch
 from replica.hpo.space import Reading, as_space, check_read, config_params, suggest
 from replica.launch import run_local
 
-__all__ = ["search", "FINISHED"]
+__all__ = ["search", "open_storage", "FINISHED"]
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)  # what n_trials counts
 _ERROR_CHARS = 4000  # an error kept in the trial's user attributes is cut to this length
@@ -75,7 +75,7 @@ def open_storage(storage: Any, heartbeat_s: int = 10) -> BaseStorage | None:
 
 
 def _check(build: Any, n_trials: Any, workers: Any, ranks_per_trial: Any, world_size: int | None,
-           objective: Any, trial_timeout_s: Any) -> int:
+           objective: Any, trial_timeout_s: Any, seed: Any) -> int:
     if not callable(build):
         raise ConfigError(f"build must be callable(trial) -> replica.hpo.TrialSetup, got {type(build).__name__}")
     _count("n_trials", n_trials)
@@ -89,6 +89,8 @@ def _check(build: Any, n_trials: Any, workers: Any, ranks_per_trial: Any, world_
     if workers * ranks_per_trial > world:
         raise ConfigError(f"workers={workers} x ranks_per_trial={ranks_per_trial} = {workers * ranks_per_trial} ranks "
                           f"at once, more than the {said}: use workers <= {world // ranks_per_trial}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ConfigError(f"seed must be an int in [0, 2**32), got {seed!r}")
     if isinstance(trial_timeout_s, bool) or not isinstance(trial_timeout_s, (int, float)) or not trial_timeout_s > 0:
         raise ConfigError(f"trial_timeout_s must be a number of seconds > 0, got {trial_timeout_s!r}")
     if not callable(objective) and objective not in ("loss", "accuracy"):
@@ -132,10 +134,12 @@ def search(
     ``build`` calls ``trial.suggest_*`` itself. ``objective``: ``"loss"`` (minimized) or
     ``"accuracy"`` (maximized) of ``Trainer.evaluate`` on the validation data, or
     ``callable(trainer, setup) -> float`` (a module-level function: it runs in the ranks).
-    ``world_size``: the ranks this machine runs at once (default: its CPU cores).
+    ``direction``: None minimizes (maximizes ``"accuracy"``). ``world_size``: the ranks this
+    machine runs at once (default: its CPU cores). Each trial starts fresh processes (a few
+    seconds of imports on a CPU core): give trials more training than that.
     ``report``: write the study's HTML page there at the end (:func:`replica.hpo.write_report`).
     """
-    _check(build, n_trials, workers, ranks_per_trial, world_size, objective, trial_timeout_s)
+    _check(build, n_trials, workers, ranks_per_trial, world_size, objective, trial_timeout_s, seed)
     distributions = as_space(space)
     if direction is None:
         direction = "maximize" if objective == "accuracy" else "minimize"
