@@ -78,6 +78,13 @@ def alone(params: dict, seed: int = 0) -> list[float]:
         return values
 
 
+class PruneLr002(optuna.pruners.BasePruner):
+    """Prunes the trials with lr=0.02 (each time asked: after their first epoch), no other."""
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        return trial.params.get("lr") == 0.02
+
+
 def study_with(path: Path, *trials: dict) -> str:
     """A journal file holding a study with ``trials`` queued: they run first, in this order."""
     study = optuna.create_study(storage=optuna.storages.JournalStorage(
@@ -91,11 +98,12 @@ def study_with(path: Path, *trials: dict) -> str:
 @pytest.mark.parametrize("workers, ranks", [(2, 1), (1, 2)])
 def test_each_trial_equals_its_configuration_alone(tmp_path: Path, workers: int, ranks: int) -> None:
     queued = [{"lr": 0.1, "crash": False, "num_stages": ranks, "batch_size": 16},  # with 2 workers, side by side
-              {"lr": 0.05, "crash": True, "num_stages": 1, "batch_size": 32}][:workers]  # with a crashing trial
+              {"lr": 0.05, "crash": True, "num_stages": 1, "batch_size": 32},  # with a crashing trial
+              {"lr": 0.02, "crash": False, "num_stages": 1, "batch_size": 32}][: 3 if workers == 2 else 1]
     storage = study_with(tmp_path / "study.log", *queued)
     page = tmp_path / "study.html"
     study = search(build, SPACE, n_trials=len(queued), workers=workers, ranks_per_trial=ranks, storage=storage,
-                   study_name="s", world_size=2, pruner=optuna.pruners.NopPruner(), report=page,
+                   study_name="s", world_size=2, pruner=PruneLr002(), report=page,
                    trial_timeout_s=120)
     trials = sorted(study.trials, key=lambda t: t.number)
     assert [t.params for t in trials] == queued
@@ -103,8 +111,12 @@ def test_each_trial_equals_its_configuration_alone(tmp_path: Path, workers: int,
         if t.params["crash"]:  # failed with its error; the others still ran
             assert t.state == TrialState.FAIL and "the loss exploded on purpose" in t.user_attrs["error"]
             continue
-        assert t.state == TrialState.COMPLETE, t.user_attrs
         reference = alone(t.params)
+        if t.params["lr"] == 0.02:  # stopped by the pruner after its first epoch
+            assert t.state == TrialState.PRUNED and t.intermediate_values == {0: reference[0]}
+            assert t.user_attrs["pruned_reason"].startswith("pruned by PruneLr002 after epoch 0")
+            continue
+        assert t.state == TrialState.COMPLETE, t.user_attrs
         seen = [t.intermediate_values[e] for e in range(2)]  # every epoch reported to the pruner
         if ranks == 1:
             assert seen == reference

@@ -218,7 +218,7 @@ def _train(trial: optuna.Trial, setup: TrialSetup, ranks: int, seed: int, object
                 continue
             try:
                 trial.report(value, epoch)
-                go = not trial.should_prune()
+                go = epoch == setup.epochs - 1 or not trial.should_prune()  # a finished trial completes
             except BaseException:
                 verdicts.put(False)  # the ranks stop instead of waiting for an answer
                 raise
