@@ -161,6 +161,8 @@ def test_bad_input_is_a_clear_config_error() -> None:
         search(build, {"lr": 0.1}, n_trials=1, world_size=1)
     with pytest.raises(ConfigError, match=r"build read trial.params\['crash'\].*add 'crash' to the space"):
         search(build, {"lr": [0.1]}, n_trials=1, world_size=1)
+    with pytest.raises(ConfigError, match="storage must be None, a database URL"):
+        search(build, SPACE, n_trials=1, world_size=1, storage=42)
     with pytest.raises(ConfigError, match="module-level function"):
         search(build, SPACE, n_trials=1, world_size=1, objective=lambda trainer, setup: 0.0)
 
@@ -177,7 +179,7 @@ def test_a_hanging_trial_fails_with_its_timeout_and_the_study_goes_on() -> None:
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")
 def test_a_trial_left_running_by_a_killed_study_runs_again(tmp_path: Path) -> None:
-    storage = open_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_s=1)
+    storage = open_storage(tmp_path / "study.db", heartbeat_s=1)  # a .db path: sqlite, with heartbeats
     killed = optuna.create_study(storage=storage, study_name="s")
     trial = killed.ask({"width": CategoricalDistribution([256]), "lr": CategoricalDistribution([0.1]),
                         "crash": CategoricalDistribution([False])})

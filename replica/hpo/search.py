@@ -59,10 +59,14 @@ def _count(name: str, value: Any) -> int:
 
 def open_storage(storage: Any, heartbeat_s: int = 10) -> BaseStorage | None:
     """Optuna's storage for ``storage``: None (in memory), an Optuna storage as it is, a database URL
-    (``"sqlite:///study.db"``: a trial whose process was killed stops beating and is run again), or
-    a file path (Optuna's journal file, which processes on several machines may share over NFS)."""
+    (``"sqlite:///study.db"``, or a path ending in ``.db`` / ``.sqlite``: a trial whose process was
+    killed stops beating and is run again), or any other file path (Optuna's journal file, which
+    processes on several machines may share over NFS)."""
     if storage is None or isinstance(storage, BaseStorage):
         return storage
+    if isinstance(storage, (str, os.PathLike)) and "://" not in str(storage) \
+            and Path(storage).suffix in (".db", ".sqlite", ".sqlite3"):
+        storage = f"sqlite:///{Path(storage).resolve()}"  # a database file named as one
     if isinstance(storage, str) and "://" in storage:
         with warnings.catch_warnings():  # Optuna calls its heartbeat experimental
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
