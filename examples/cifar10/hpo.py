@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="trials at a time")
     p.add_argument("--ranks-per-trial", type=int, default=1)
     p.add_argument("--memory-budget-mib", type=float, default=32.0, help="per device: larger setups are pruned")
-    p.add_argument("--storage", default=None, help="hpo.db (sqlite) or a journal file path (hpo.log); default: in memory")
+    p.add_argument("--storage", default=None, help="hpo.db (sqlite) or a journal file (hpo.log); default: in memory")
     p.add_argument("--report", default="hpo.html", help="the study's page: trials table and Optuna's plots")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
