@@ -234,6 +234,9 @@ def _train(trial: optuna.Trial, setup: TrialSetup, ranks: int, seed: int, object
             said = (f"the trial outlived trial_timeout_s={timeout_s:g} s and was stopped (raise trial_timeout_s if "
                     "it was only slow); " if late else "")
             raise _fail(trial, f"{said}{type(exc).__name__}: {exc}") from None
+        finally:
+            for q in (progress, verdicts):  # their feeder threads end with the trial
+                q.close()
     values = result["values"]
     trial.set_user_attr("epoch_values", values)
     trial.set_user_attr("seconds", result["seconds"])
