@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from examples.cifar10.model import CifarCNN
-from replica.checkpoint.store import load_into_plain_model
+from replica.checkpoint.tensors import load_into_plain_model
 from tests.distributed import elastic_job
 from tests.train_cases import ACROSS_LAYOUTS, assert_same_weights, weights
 

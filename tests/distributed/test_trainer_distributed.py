@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replica.checkpoint.store import load_into_plain_model
+from replica.checkpoint.tensors import load_into_plain_model
 from replica.launch import run_local
 from tests.train_cases import (
     ACROSS_LAYOUTS,
