@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from replica.checkpoint import legacy
+from replica.checkpoint.optimizer import load_optimizer, optimizer_room
 from replica.checkpoint.store import OPTIMIZER_PREFIX, CheckpointError, dcp_failure, resolve, single_process_quietly
 
 __all__ = ["StoredWeights", "stored_weights", "misfits", "load_into_plain_model"]
@@ -94,12 +95,14 @@ def misfits(path: str | os.PathLike[str], stored: Mapping[str, tuple[tuple[int, 
             + "; ".join(parts) + f". Fix: {fix}")
 
 
-def load_into_plain_model(path: str | os.PathLike[str], model: torch.nn.Module, *, strict: bool = True
-                          ) -> torch.nn.Module:
+def load_into_plain_model(path: str | os.PathLike[str], model: torch.nn.Module, *, strict: bool = True,
+                          optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
     """Load a checkpoint (a ``step-XXXXXXXX`` directory, or the newest good one in a
     ``checkpoint_dir``) into the plain, unsplit model, whatever layout wrote it: each tensor
     read into the model's own, one at a time. ``strict``: every key of the model's state_dict
-    stored, and nothing else."""
+    stored, and nothing else. ``optimizer`` (built on ``model.parameters()``, of the class that
+    wrote the checkpoint): its state and hyper-parameters too, by parameter name, so plain torch
+    continues the run."""
     stored = stored_weights(path)
     state = model.state_dict()
     wanted = {k: tuple(v.shape) for k, v in state.items() if strict or k in stored.specs}
@@ -107,5 +110,16 @@ def load_into_plain_model(path: str | os.PathLike[str], model: torch.nn.Module, 
                       fix=f"load a checkpoint of this {type(model).__name__} (same config), or pass strict=False")
     if problem:
         raise CheckpointError(problem)
-    stored.load({k: v for k, v in state.items() if k in wanted})
+    tensors = {k: v for k, v in state.items() if k in wanted}
+    if optimizer is None:
+        stored.load(tensors)
+        return model
+    if stored.legacy:
+        raise CheckpointError(f"checkpoint {stored.path} is format 1 (before DCP): its optimizer state loads "
+                              "through the Trainer only; load the weights alone (no optimizer=)")
+    names = {id(p): n for n, p in model.named_parameters()}
+    metadata = dcp.FileSystemReader(stored.path).read_metadata()
+    room, by_index = optimizer_room(metadata.state_dict_metadata, optimizer, names)
+    stored.load({**tensors, **room})
+    load_optimizer(stored.path, optimizer, names, by_index)
     return model

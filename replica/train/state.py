@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from replica.api import PipelineModel
 from replica.checkpoint import legacy
 from replica.checkpoint import store as ckpt
+from replica.checkpoint.optimizer import load_optimizer, optimizer_room, optimizer_tensors
+from replica.checkpoint.pieces import as_pieces, needs_pieces
 from replica.checkpoint.tensors import misfits
 from replica.errors import ReplicaError
 from replica.parallel.fsdp import shard_like
@@ -40,26 +42,6 @@ def _held(pipeline: PipelineModel, plain_keys: Collection[str]) -> dict[str, tor
     """The state_dict entries this rank holds that the plain model has (no stage-only buffers), as
     held: a sharded or tensor-parallel weight is this rank's DTensor shard. No copy, no gather."""
     return {k: v.detach() for k, v in pipeline.held_state().items() if k in plain_keys}
-
-
-def _optimizer_tensors(optimizer: torch.optim.Optimizer | None, names: Mapping[int, str]
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Optimizer state tensors as ``optimizer.state.<name>.<key>`` (DTensors as held), and the rest
-    (param groups' hyper-parameters, non-tensor state) by parameter name."""
-    if optimizer is None:
-        return {}, {"state": {}, "param_groups": []}
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"{ckpt.OPTIMIZER_PREFIX}{names[id(p)]}.{key}"] = value.detach()
-                else:
-                    scalars.setdefault(names[id(p)], {})[key] = value
-    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
-              for group in optimizer.param_groups]
-    return tensors, {"state": scalars, "param_groups": groups}
 
 
 def _tied_owners(pipeline: PipelineModel, keys: Collection[str]) -> dict[str, int]:
@@ -89,11 +71,12 @@ def save_pipeline(checkpoint_dir: str | Path, step: int, pipeline: PipelineModel
     """Write this rank's share of checkpoint ``step`` (collective): its weights and optimizer state
     as held, its RNG states; see :func:`replica.checkpoint.store.save`."""
     tensors = _held(pipeline, plain_keys)
-    optimizer_tensors, extras = _optimizer_tensors(optimizer, names)
-    tensors.update(optimizer_tensors)
+    optimizer_state, extras = optimizer_tensors(optimizer, names)
+    tensors.update(optimizer_state)
     owners = _tied_owners(pipeline, {_tied_name(k) for k in tensors})
     tensors = {k: v for k, v in tensors.items() if owners.get(_tied_name(k), pipeline.pipeline_rank)
                == pipeline.pipeline_rank}
+    tensors = {k: as_pieces(v) if needs_pieces(v) else v for k, v in tensors.items()}
     return ckpt.save(checkpoint_dir, step, tensors, rng_state(), meta, keep=keep,
                      tied=pipeline.plan.tied_parameters, trainer=extras, asynchronous=asynchronous)
 
@@ -107,14 +90,6 @@ def _agree(problem: str | None) -> None:
     found = [(r, p) for r, p in enumerate(problems) if p]
     if found:
         raise ckpt.CheckpointError(problem or f"rank {found[0][0]}: {found[0][1]}")
-
-
-def _empty_like_saved(p: torch.Tensor, spec: TensorStorageMetadata) -> torch.Tensor:
-    """Room for one saved optimizer-state tensor of parameter ``p``: cut as ``p`` is when it has its
-    shape (Adam's moments), else whole (a step count)."""
-    if tuple(spec.size) == tuple(p.shape):
-        return torch.zeros_like(p.detach(), dtype=spec.properties.dtype)
-    return torch.zeros(tuple(spec.size), dtype=spec.properties.dtype, device=p.device)
 
 
 def load_into_pipeline(path: str | Path, pipeline: PipelineModel, optimizer: torch.optim.Optimizer | None,
@@ -136,30 +111,19 @@ def load_into_pipeline(path: str | Path, pipeline: PipelineModel, optimizer: tor
     problem = problem or misfits(path, {k: (tuple(m.size), m.properties.dtype) for k, m in specs.items()},
                                  {k: tuple(v.shape) for k, v in held.items()})
     state = dict(held)
-    index: dict[int, dict[str, torch.Tensor]] = {}
+    by_index: dict[int, dict[str, torch.Tensor]] = {}
     if optimizer is not None and problem is None:
-        saved: dict[str, list[str]] = {}
-        for key in specs:
-            if key.startswith(ckpt.OPTIMIZER_PREFIX):
-                name, _, what = key[len(ckpt.OPTIMIZER_PREFIX):].rpartition(".")
-                saved.setdefault(name, []).append(what)
-        i = 0
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                name = names[id(p)]
-                index[i] = {}
-                for what in saved.get(name, ()):
-                    key = f"{ckpt.OPTIMIZER_PREFIX}{name}.{what}"
-                    state[key] = index[i][what] = _empty_like_saved(p, specs[key])
-                i += 1
+        room, by_index = optimizer_room(specs, optimizer, names)
+        state.update(room)
     _agree(problem)
+    state = {k: as_pieces(v) if needs_pieces(v) else v for k, v in state.items()}  # filled in place
     try:
         with ckpt.single_process_quietly():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank failed
         raise ckpt.CheckpointError(f"checkpoint {path} cannot be read ({ckpt.dcp_failure(exc)})") from None
     if optimizer is not None:
-        _load_optimizer(path, optimizer, names, index)
+        load_optimizer(path, optimizer, names, by_index)
     rank = dist.get_rank() if _distributed() else 0
     set_rng_state(_load(Path(path) / ckpt.rank_file(min(rank, int(manifest["world_size"]) - 1))))
     meta: dict[str, Any] = manifest["trainer"]
@@ -171,41 +135,6 @@ def _load(file: Path) -> Any:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # missing, unpickling errors, truncated files
         raise ckpt.CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc})") from None
-
-
-def _load_optimizer(path: str | Path, optimizer: torch.optim.Optimizer, names: Mapping[int, str],
-                    index: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Hand the optimizer its state: the tensors DCP filled, the non-tensor state and each group's
-    hyper-parameters by parameter name (``trainer.pt``, one entry per rank that wrote)."""
-    extras = _load(Path(path) / ckpt.TRAINER_FILE)
-    scalars: dict[str, dict[str, Any]] = {}
-    hyper: dict[str, dict[str, Any]] = {}
-    for extra in extras:
-        for name, s in extra["state"].items():
-            scalars.setdefault(name, s)
-        for group in extra["param_groups"]:
-            for name in group["params"]:
-                hyper.setdefault(name, {k: v for k, v in group.items() if k != "params"})
-    state: dict[int, dict[str, Any]] = {}
-    groups = []
-    i = 0
-    for group in optimizer.param_groups:
-        ids, saved_hyper = [], None
-        for p in group["params"]:
-            name = names[id(p)]
-            if index.get(i) or name in scalars:
-                state[i] = {**scalars.get(name, {}), **index.get(i, {})}
-            saved_hyper = saved_hyper or hyper.get(name)
-            ids.append(i)
-            i += 1
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, **(saved_hyper or {}), "params": ids})
-    try:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except (KeyError, RuntimeError, TypeError, ValueError) as exc:
-        raise ckpt.CheckpointError(
-            f"the optimizer state in {path} does not fit {type(optimizer).__name__} ({type(exc).__name__}: {exc}); "
-            "resume with the optimizer (class and param groups) that wrote it"
-        ) from None
 
 
 def _load_legacy(path: str | Path, pipeline: PipelineModel, optimizer: torch.optim.Optimizer | None,
