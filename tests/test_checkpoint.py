@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import replica
+from examples.cifar10.model import CifarCNN
 from replica.checkpoint import store as ckpt
 from replica.checkpoint.store import CheckpointError
 from replica.checkpoint.tensors import load_into_plain_model
@@ -90,6 +91,10 @@ def test_load_into_plain_model_takes_a_directory_or_a_step(tmp_path: Path) -> No
     assert not torch.equal(older.classifier[-1].weight, newest.classifier[-1].weight)
     with pytest.raises(CheckpointError, match=r"another model: .* 2 missing \(first: weight, bias\)"):
         load_into_plain_model(tmp_path, torch.nn.Linear(2, 2))
+    wider = CifarCNN(channels=(8, 16), hidden=64, image_size=16)
+    with pytest.raises(CheckpointError,
+                       match=r"another model: .* 3 mis-shaped \(first: classifier.1.weight \(32, 256\) where"):
+        load_into_plain_model(tmp_path, wider)
     with pytest.raises(CheckpointError, match=r"no complete checkpoint in .* \(0 step-XXXXXXXX"):
         load_into_plain_model(tmp_path / "nothing-here", small_cnn())
 
@@ -155,6 +160,34 @@ def test_a_failed_write_leaves_no_checkpoint_and_raises(tmp_path: Path, monkeypa
         run(tmp_path)
     assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-00000002"]
     assert ckpt.verify(tmp_path / "step-00000002") is None
+
+
+_KILLED_MID_SAVE = """
+import os, sys, torch
+from tests.train_cases import run
+real_save = torch.save
+def killed(obj, f, *args, **kwargs):
+    if isinstance(obj, torch.Tensor) and os.path.isdir(os.path.join(sys.argv[1], ".tmp-step-00000004")):
+        os._exit(9)  # the process dies with DCP's files half written
+    return real_save(obj, f, *args, **kwargs)
+torch.save = killed
+run(sys.argv[1], model_seed=0)  # the uninterrupted run's model
+"""
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_to_resume(tmp_path: Path, uninterrupted) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    died = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, str(tmp_path)], env=env, capture_output=True)
+    assert died.returncode == 9, died.stderr.decode()[-2000:]
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-00000002"]
+    assert (tmp_path / ".tmp-step-00000004").is_dir(), "the half-written step is never published"
+    resumed = run(tmp_path)
+    assert resumed.resumed_from.name == "step-00000002"
+    assert_same_weights(weights(resumed.model), uninterrupted)
 
 
 def test_a_read_only_directory_is_an_error_naming_it_and_the_last_checkpoint_stays(tmp_path: Path,
