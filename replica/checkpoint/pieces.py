@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-__all__ = ["needs_pieces", "as_pieces"]
+__all__ = ["needs_pieces", "as_pieces", "snapshot"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # global offsets, sizes, local offsets
 
@@ -106,3 +106,14 @@ def as_pieces(t: DTensor) -> torch.Tensor:
     out = torch.Tensor._make_subclass(_Pieces, local, False)
     out._local, out._global, out._boxes = local, t.shape, _boxes(t)
     return out
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` as DCP sees it (a DTensor stays one, pieces stay pieces), for a save that
+    goes on in the background while training changes ``t``."""
+    if isinstance(t, _Pieces):
+        local = t._local.clone()
+        out = torch.Tensor._make_subclass(_Pieces, local, False)
+        out._local, out._global, out._boxes = local, t._global, t._boxes
+        return out
+    return t.detach().clone()

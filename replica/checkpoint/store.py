@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from replica.checkpoint.pieces import snapshot
 from replica.errors import ReplicaError
 
 __all__ = [
@@ -158,6 +159,21 @@ def _async_group() -> Any:
     return _ASYNC_GROUP[0]
 
 
+class _Copied:
+    """DCP's stager for tensors :func:`save` copied already: hands them on as they are."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class PendingSave:
     """A checkpoint being written: :meth:`finish` (collective) waits for every rank's files and
@@ -265,9 +281,10 @@ def save(checkpoint_dir: str | os.PathLike[str], step: int, tensors: dict[str, t
         pending.finish()  # raises on every rank
     writer = dcp.FileSystemWriter(tmp, sync_files=True, overwrite=True)
     try:
-        if asynchronous:
-            pending.future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group(),
-                                             no_dist=not _distributed())
+        if asynchronous:  # copied here, as DCP sees them (its own stager would lose pieces' boxes)
+            copies = {k: snapshot(v) for k, v in tensors.items()}
+            pending.future = dcp.async_save(copies, storage_writer=writer, process_group=_async_group(),
+                                             async_stager=_Copied(), no_dist=not _distributed())
         else:
             with single_process_quietly():
                 dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())

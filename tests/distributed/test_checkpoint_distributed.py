@@ -70,9 +70,9 @@ def layouts_job(rank: int, world: int, root: str) -> bytes:
     first.train_dataset(case.example_inputs[0], case.target, epochs=2)
     step = root_path / "a" / "step-00000002"
     report["a"] = (first.pipeline.plan.layout.describe(), first.step, (step / f"__{rank}_0.distcp").stat().st_size)
-    # resumed in 2 tensor-parallel ranks x 2 replicas: one step more
+    # resumed in 2 tensor-parallel ranks x 2 replicas: one step more, saved in the background
     _copy_newest(root_path / "a", root_path / "b")
-    second = _trainer(root_path / "b", TP2_DP2)
+    second = _trainer(root_path / "b", {**TP2_DP2, "checkpoint_async": True})
     second.train_dataset(case.example_inputs[0], case.target, epochs=3)
     report["b"] = (second.pipeline.plan.layout.describe(), second.step, second.resumed_from.name)
     # another model (3 blocks, not 2) on that checkpoint: refused on every rank, by name
