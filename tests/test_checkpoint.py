@@ -270,6 +270,29 @@ def test_files_are_read_with_weights_only(tmp_path: Path) -> None:
         run(tmp_path)
 
 
+def test_a_format_1_checkpoint_still_resumes_read_only(tmp_path: Path, uninterrupted) -> None:
+    """Written as before DCP (whole tensors per pipeline rank, torch.save): resumed, exported and loaded
+    into the plain model; the run's next checkpoints are format 2."""
+    from replica.train.optim import state_by_name
+
+    trainer = run(None, stop_at=4, model_seed=0)
+    step = tmp_path / "step-00000004"
+    step.mkdir()
+    files = {name: ckpt._write(step / name, obj) for name, obj in (
+        ("model-00000-of-00001.pt", trainer.model.state_dict()),
+        ("optim-00000-of-00001.pt", state_by_name(trainer.optimizer, trainer._names)),
+        ("rng-00000-of-00001.pt", rng_state()))}
+    meta = {"step": 4, "epoch": 1, "batch": 1, "call": 0, "call_start_epoch": 0, "batch_size": 32, "shuffle": True,
+            "seed": 0, "num_samples": 100}
+    (step / "manifest.json").write_text(json.dumps({"format": 1, "step": 4, "num_shards": 1, "trainer": meta,
+                                                    "files": files, "tied_parameters": {}}))
+    assert_same_weights(weights(load_into_plain_model(step, small_cnn())), weights(trainer.model))
+    resumed = run(tmp_path)
+    assert resumed.resumed_from.name == "step-00000004"
+    assert_same_weights(weights(resumed.model), uninterrupted)
+    assert ckpt.read_manifest(tmp_path / "step-00000009")["format"] == 2
+
+
 def test_resume_from_a_copied_directory(tmp_path: Path, uninterrupted) -> None:
     run(tmp_path / "a", stop_at=5)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
