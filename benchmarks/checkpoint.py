@@ -1,4 +1,4 @@
-"""Checkpoints through torch.distributed.checkpoint (format 2, issue #38) against the format before it, on gloo CPU ranks.
+"""Checkpoints through torch.distributed.checkpoint (format 2, #38) against the format before it, on gloo CPU ranks.
 
 A ~49M-parameter GPT (examples/gpt/model.py: 6 layers, d=768, vocab 8192, block 64) built by the
 Trainer with AdamW, one step trained (so the moments exist), in three 4-rank layouts: ``zero3x4``
@@ -164,8 +164,8 @@ def job(rank: int, world: int, layout: str, root: str, repeats: int, config: dic
 
 def report(layout: str, results: list[dict]) -> str:
     lines = [f"### {layout}: {results[0]['layout']}", "",
-             "| rank | own state MiB | save growth MiB dcp (x own) | old (x own) | written MiB dcp (share) | old (share) "
-             "| save s dcp / old | load s dcp / old |", "|---|---|---|---|---|---|---|---|"]
+             "| rank | own state MiB | save growth MiB dcp (x own) | old (x own) | written MiB dcp (share) "
+             "| old (share) | save s dcp / old | load s dcp / old |", "|---|---|---|---|---|---|---|---|"]
     totals = {k: sum(statistics.median(x["written"] for x in r["rows"][k]) for r in results) for k in ("dcp", "old")}
     for r in results:
         m = {k: {f: statistics.median(x[f] for x in r["rows"][k]) for f in ("growth", "written", "save_s", "load_s")}
@@ -176,7 +176,8 @@ def report(layout: str, results: list[dict]) -> str:
             f"| {m['old']['growth'] / MIB:.1f} ({m['old']['growth'] / own:.2f}x) "
             f"| {m['dcp']['written'] / MIB:.1f} ({m['dcp']['written'] / max(totals['dcp'], 1):.0%}) "
             f"| {m['old']['written'] / MIB:.1f} ({m['old']['written'] / max(totals['old'], 1):.0%}) "
-            f"| {m['dcp']['save_s']:.2f} / {m['old']['save_s']:.2f} | {m['dcp']['load_s']:.2f} / {m['old']['load_s']:.2f} |")
+            f"| {m['dcp']['save_s']:.2f} / {m['old']['save_s']:.2f} "
+            f"| {m['dcp']['load_s']:.2f} / {m['old']['load_s']:.2f} |")
     worst = max(statistics.median(x["growth"] for x in r["rows"]["dcp"]) / r["own"] for r in results)
     share = max(statistics.median(x["written"] for x in r["rows"]["dcp"]) for r in results) / max(totals["dcp"], 1)
     lines += ["", f"dcp: worst growth {worst:.2f}x own state (target <= 1.2x), largest writer {share:.0%} of "
