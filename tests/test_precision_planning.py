@@ -223,9 +223,19 @@ def test_matmul_time_drops_by_the_half_precision_rate(gpt):
     assert bf16.predicted_step_time_s == pytest.approx(fp32.predicted_step_time_s / ratio)
 
 
-def test_on_an_a100_matmuls_run_about_twice_as_fast():
-    """Matmuls drop towards the 2x of the A100's bf16 rate (their bytes, casts included, do
-    not shrink as much); LayerNorms, embeddings and residual adds stay fp32 and memory-bound."""
+@pytest.fixture
+def tf32():
+    """Matmuls in fp32 may use TF32 (torch.set_float32_matmul_precision("high")) for the test."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_on_an_a100_matmuls_run_about_twice_as_fast_as_tf32(tf32):
+    """Against TF32, matmuls drop towards the 2x of the A100's bf16 rate (their bytes, casts
+    included, do not shrink as much); LayerNorms, embeddings and residual adds stay fp32 and
+    memory-bound."""
     with torch.device("meta"):
         model = models.TinyGPT(vocab_size=256, block_size=256, n_embd=1024, n_head=8, num_layers=2)
     tokens = torch.empty(16, 256, dtype=torch.long, device="meta")
@@ -239,6 +249,19 @@ def test_on_an_a100_matmuls_run_about_twice_as_fast():
                   for p in ("fp32", "bf16"))
     compute = [sum(s.forward_time_s + s.backward_time_s for s in plan.stages) for plan in (fp32, bf16)]
     assert 1.3 < compute[0] / compute[1] < 2.0  # the fp32 ops and every launch at their fp32 times
+
+
+def test_fp32_matmuls_without_tf32_run_at_the_full_fp32_rate():
+    """torch's default keeps fp32 matmuls whole (no TF32): a GPU preset prices them at its
+    fp32 rate, an order of magnitude under bf16 (benchmarks/gpu_check.py measured it on an H200)."""
+    assert torch.get_float32_matmul_precision() == "highest"
+    for name in ("a100-80gb", "h100-80gb"):
+        spec = PRESETS[name]
+        assert spec.peak("float32") == spec.fp32_flops and spec.half_flops / spec.peak("float32") > 10
+        assert spec.peak("bfloat16") == spec.half_flops
+    cpu = replica.DeviceSpec(name="cpu", flops=1e11, half_flops=2.5e10, memory_bandwidth=1e10,
+                             memory_bytes=2**30, link_bandwidth=1e9, link_latency_s=1e-5)
+    assert cpu.peak("float32") == 1e11  # no fp32_flops: the one fp32 rate
 
 
 # --------------------------------------------------------------------------- bytes crossing a cut

@@ -25,8 +25,10 @@ __all__ = ["DeviceSpec", "CostModel", "TensorParallelCosts", "device_spec", "tor
 class DeviceSpec:
     """What one pipeline device can do. Rates are achievable, not datasheet peaks.
 
-    ``flops`` is for fp32 (TF32 where a GPU uses it by default), ``half_flops`` for
-    bf16/fp16; ``op_overhead_s`` is the fixed cost of launching one op (Python and
+    ``flops`` is for fp32 where matmuls may use TF32 (``torch.set_float32_matmul_precision
+    ("high")``), ``fp32_flops`` for fp32 kept whole (torch's default, precision "highest"; 0:
+    ``flops``, as on a CPU, which has no TF32), ``half_flops`` for bf16/fp16;
+    ``op_overhead_s`` is the fixed cost of launching one op (Python and
     dispatch on a CPU, a kernel launch on a GPU); ``link_*`` is the point-to-point
     path to the neighbouring pipeline device inside a node of ``devices_per_node``, and
     each device's bus bandwidth in a collective among devices of one node (NVLink);
@@ -42,6 +44,7 @@ class DeviceSpec:
     name: str
     flops: float
     half_flops: float
+    fp32_flops: float = 0.0
     memory_bandwidth: float
     memory_bytes: float
     link_bandwidth: float
@@ -65,7 +68,13 @@ class DeviceSpec:
                 raise ConfigError(f"DeviceSpec.{name} must be > 0, got {getattr(self, name)!r}")
 
     def peak(self, dtype: str) -> float:
-        return self.half_flops if dtype in ("float16", "bfloat16") else self.flops
+        """The rate of an op computing in ``dtype``: fp32 at the TF32 rate only where this process
+        lets torch's matmuls use TF32 (``torch.get_float32_matmul_precision()``: "high" or "medium")."""
+        if dtype in ("float16", "bfloat16"):
+            return self.half_flops
+        if self.fp32_flops > 0 and torch.get_float32_matmul_precision() == "highest":
+            return self.fp32_flops
+        return self.flops
 
     def bandwidth(self, nbytes: float) -> float:
         """Bytes per second of an op that reads and writes ``nbytes`` in one call: the cache's
@@ -89,18 +98,21 @@ GB = 1e9
 PRESETS: dict[str, DeviceSpec] = {
     # ~60% of the datasheet dense peaks (A100: 156 TF32 / 312 bf16 TFLOP/s, 2.0 TB/s HBM,
     # 300 GB/s NVLink per direction, 200 Gb/s InfiniBand per GPU; H100 SXM: 495 / 989,
-    # 3.35 TB/s, 450 GB/s, 400 Gb/s).
-    "a100-80gb": DeviceSpec(name="a100-80gb", flops=95e12, half_flops=190e12, memory_bandwidth=1.6e12,
+    # 3.35 TB/s, 450 GB/s, 400 Gb/s). fp32 without TF32 (torch's default): ~70% of 19.5 / 67
+    # TFLOP/s; benchmarks/gpu_check.py measured a GPT's eager fp32 step at 47 TFLOP/s on an H200.
+    "a100-80gb": DeviceSpec(name="a100-80gb", flops=95e12, half_flops=190e12, fp32_flops=14e12, memory_bandwidth=1.6e12,
                             memory_bytes=80 * 2**30, link_bandwidth=240 * GB, link_latency_s=10e-6,
                             op_overhead_s=6e-6, devices_per_node=8, network_bandwidth=25 * GB,
                             datasheet_flops=312e12),
     # the A100 40GB: the same compute and links, 1.56 TB/s of HBM and half the memory
-    "a100-40gb": DeviceSpec(name="a100-40gb", flops=95e12, half_flops=190e12, memory_bandwidth=1.25e12,
-                            memory_bytes=40 * 2**30, link_bandwidth=240 * GB, link_latency_s=10e-6,
+    "a100-40gb": DeviceSpec(name="a100-40gb", flops=95e12, half_flops=190e12, fp32_flops=14e12,
+                            memory_bandwidth=1.25e12, memory_bytes=40 * 2**30, link_bandwidth=240 * GB,
+                            link_latency_s=10e-6,
                             op_overhead_s=6e-6, devices_per_node=8, network_bandwidth=25 * GB,
                             datasheet_flops=312e12),
-    "h100-80gb": DeviceSpec(name="h100-80gb", flops=300e12, half_flops=600e12, memory_bandwidth=2.7e12,
-                            memory_bytes=80 * 2**30, link_bandwidth=360 * GB, link_latency_s=8e-6,
+    "h100-80gb": DeviceSpec(name="h100-80gb", flops=300e12, half_flops=600e12, fp32_flops=45e12,
+                            memory_bandwidth=2.7e12, memory_bytes=80 * 2**30, link_bandwidth=360 * GB,
+                            link_latency_s=8e-6,
                             op_overhead_s=5e-6, devices_per_node=8, network_bandwidth=50 * GB,
                             datasheet_flops=989e12),
 }

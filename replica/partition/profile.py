@@ -33,9 +33,24 @@ class OpTimes:
     backward_fixed_s: float | None = None
 
 
-def _best(fn: Callable[..., Any], repeats: int, fresh: Callable[[], Any] | None = None) -> float:
+def _best(fn: Callable[..., Any], repeats: int, fresh: Callable[[], Any] | None = None, *,
+          cuda: bool = False) -> float:
     """Best of ``repeats`` timed calls; ``fresh()`` (untimed) makes each call's argument, for
-    ops that write into their input and must not see their own earlier writes."""
+    ops that write into their input and must not see their own earlier writes.
+
+    ``cuda``: the op runs on a GPU, whose calls return once their kernels are queued. The
+    calls then run back to back between two waits for the GPU, and the time is their mean:
+    what an op costs inside a stage, where launching the next kernels overlaps the GPU's
+    work (a wait around every call would add a launch and a synchronisation to each)."""
+    if cuda:
+        args = [() if fresh is None else (fresh(),) for _ in range(repeats)]
+        fn(*args[0])  # the first call of an op on a GPU picks its kernels: not timed
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for arg in args:
+            fn(*arg)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / repeats
     best = float("inf")
     for _ in range(repeats):
         arg = () if fresh is None else (fresh(),)
@@ -74,6 +89,7 @@ class _Profiler(fx.Interpreter):
         self.keys: dict[str, str] = {}  # node -> its cache key
         self.cache = cache
         self.precision, self.device = precision, device
+        self.cuda = device.type == "cuda"
 
     def signature(self, n: fx.Node, args: Any, kwargs: Any) -> str:
         """What an op's time depends on: the op, its module's type and weights, its inputs' shapes
@@ -102,9 +118,10 @@ class _Profiler(fx.Interpreter):
         else:
             if mutates_first_argument(n, self.module) and isinstance(args[0], torch.Tensor):
                 first, rest = args[0], tuple(args[1:])  # time writes into copies: the value stays as it was
-                forward_s = _best(lambda x: call(n.target, (x, *rest), kwargs), self.repeats, first.clone)
+                forward_s = _best(lambda x: call(n.target, (x, *rest), kwargs), self.repeats, first.clone,
+                                  cuda=self.cuda)
             else:
-                forward_s = _best(lambda: call(n.target, args, kwargs), self.repeats)
+                forward_s = _best(lambda: call(n.target, args, kwargs), self.repeats, cuda=self.cuda)
             backward_s = 0.0
             if torch.is_grad_enabled():
                 backward_s = self._backward(n, call, args, kwargs)
@@ -134,7 +151,7 @@ class _Profiler(fx.Interpreter):
             return 0.0
         grads = [torch.ones_like(o) for o in outs]
         return _best(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True),
-                     self.repeats)
+                     self.repeats, cuda=self.cuda)
 
 
 def cache_dir() -> Path:

@@ -59,7 +59,8 @@ class PlanningOptions:
     priced as that device's preset; a preset name such as ``"h100-80gb"`` or a
     ``replica.DeviceSpec``: priced as that machine, wherever this runs; or one per stage),
     ``cost`` (``"profile"`` times every op here, ``"analytic"`` prices FLOPs and bytes on
-    ``device``'s spec, ``"auto"`` profiles a real model when no other device is named),
+    ``device``'s spec, ``"auto"`` profiles a real model on a CPU when no other device is named,
+    and prices a GPU on its preset: op-by-op timing on a GPU measured 1.3-2.3x its real step),
     ``memory_budget`` (bytes per device, or one per stage; default: the device's memory when
     planning analytically), ``optimizer`` (what the memory model counts per parameter),
     ``tracer`` (``"fx"``, ``"export"`` or ``"auto"``), ``dynamic_dims`` (``"auto"``,

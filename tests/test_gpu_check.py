@@ -1,0 +1,30 @@
+"""benchmarks/gpu_check.py stays alive on a CPU: tiny sizes, every row measured, gradients equal."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import gpu_check
+
+
+def test_gpu_check_runs_tiny_on_cpu(tmp_path):
+    out, table = tmp_path / "check.json", tmp_path / "check.md"
+    result = gpu_check.main(["--device", "cpu", "--sizes", "tiny", "--steps", "1", "--preset", "h100-80gb",
+                             "--out", str(out), "--markdown", str(table)])
+    rows = result["rows"]
+    assert [r for r in rows if "error" in r or "skipped" in r] == []
+    replica_rows = [r for r in rows if r["what"].startswith("replica")]
+    wanted = len(gpu_check.PRECISIONS) * len(gpu_check.SCHEDULES) * len(gpu_check.RECOMPUTE)
+    assert len(replica_rows) == wanted
+    for r in replica_rows:
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["analytic_s"] > 0 and r["predicted_bytes"] > 0
+        assert r["grad_error"] < (1e-5 if r["precision"] == "fp32" else 5e-2), r
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows, default=str))
+    assert table.read_text().count("\n") == len(rows) + 2
+
+
+def test_gpu_check_refuses_an_unknown_size():
+    import pytest
+
+    with pytest.raises(SystemExit, match="unknown sizes"):
+        gpu_check.main(["--device", "cpu", "--sizes", "huge"])
