@@ -258,16 +258,34 @@ def test_resuming_with_other_data_settings_is_refused(tmp_path: Path) -> None:
         trainer.train_dataset(*DATA, epochs=1)
 
 
-def test_files_are_read_with_weights_only(tmp_path: Path) -> None:
+def _forge_checksums(path: Path) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name, info in manifest["files"].items():  # so that only the reader can object
+        info.update(sha256=ckpt._sha256(path / name), bytes=(path / name).stat().st_size)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+class _Payload:
+    def __reduce__(self):
+        return (Path.touch, (Path(__file__).with_name("PWNED-by-a-checkpoint"),))
+
+
+def test_files_are_read_with_weights_only_and_a_forged_index_is_refused(tmp_path: Path) -> None:
+    import pickle
+
     run(tmp_path, stop_at=3)
     path = tmp_path / "step-00000002"
     torch.save({"torch": Path("not a tensor")}, path / "rank-00000.pt")  # an arbitrary object
-    manifest = json.loads((path / "manifest.json").read_text())
-    for name, info in manifest["files"].items():  # forge the checksums so only weights_only can object
-        info.update(sha256=ckpt._sha256(path / name), bytes=(path / name).stat().st_size)
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    _forge_checksums(path)
     with pytest.raises(CheckpointError, match="cannot be read .*Weights only load failed"):
         run(tmp_path)
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload()))  # DCP would run it: pickle.load
+    _forge_checksums(path)
+    for read in (lambda: run(tmp_path), lambda: load_into_plain_model(path, small_cnn()),
+                 lambda: replica.export_safetensors(path, tmp_path / "hf")):
+        with pytest.raises(CheckpointError, match=r"\.metadata cannot be read .*pathlib.Path.touch is not something"):
+            read()
+    assert not Path(__file__).with_name("PWNED-by-a-checkpoint").exists()
 
 
 def test_a_format_1_checkpoint_still_resumes_read_only(tmp_path: Path, uninterrupted) -> None:

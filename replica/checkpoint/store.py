@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -45,7 +46,7 @@ from replica.errors import ReplicaError
 
 __all__ = [
     "CheckpointError", "PendingSave", "save", "step_dir", "checkpoints", "verify", "latest", "latest_across_ranks",
-    "resolve", "read_manifest", "rank_file", "single_process_quietly", "dcp_failure", "OPTIMIZER_PREFIX",
+    "resolve", "read_manifest", "rank_file", "single_process_quietly", "dcp_failure", "read_index", "OPTIMIZER_PREFIX",
     "TRAINER_FILE",
 ]
 
@@ -354,6 +355,35 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS or "files" not in manifest:
         raise CheckpointError(f"{Path(path) / MANIFEST} is not a Replica manifest of format {FORMATS}")
     return manifest
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: only what a DCP index holds may be built from it (its own
+    dataclasses and enums, ``torch.Size``, dtypes, layouts, paths), never a call chosen by the file."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        if (module.startswith("torch.distributed.checkpoint.") and isinstance(found, type)) \
+                or (module == "torch" and (found is torch.Size or isinstance(found, torch.dtype))) \
+                or (module, name) in (("torch.serialization", "_get_layout"), ("collections", "OrderedDict")) \
+                or (module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath")):
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not something a DCP index holds")
+
+
+def read_index(path: str | os.PathLike[str]) -> Any:
+    """Checkpoint ``path``'s DCP index (``.metadata``: every tensor's global shape, dtype and
+    chunks), unpickled with only the types such an index holds: a forged one is refused before
+    torch.distributed.checkpoint (which unpickles it freely) reads it."""
+    file = Path(path) / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            return _IndexUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an older step directory") from None
+    except Exception as exc:  # unpickling errors, truncated files, refused globals
+        raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc}); it is not an index "
+                              "torch.distributed.checkpoint wrote: use another step directory") from None
 
 
 def verify(path: str | os.PathLike[str], *, share: tuple[int, int] = (0, 1)) -> str | None:

@@ -19,7 +19,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from replica.checkpoint import legacy
 from replica.checkpoint.optimizer import load_optimizer, optimizer_room
-from replica.checkpoint.store import OPTIMIZER_PREFIX, CheckpointError, dcp_failure, resolve, single_process_quietly
+from replica.checkpoint.store import (
+    OPTIMIZER_PREFIX,
+    CheckpointError,
+    dcp_failure,
+    read_index,
+    resolve,
+    single_process_quietly,
+)
 
 __all__ = ["StoredWeights", "stored_weights", "misfits", "load_into_plain_model"]
 
@@ -38,11 +45,7 @@ class StoredWeights:
             self._legacy = legacy.load_model_state(path)  # memory-mapped: read when copied
             self.specs = {k: (tuple(v.shape), v.dtype) for k, v in self._legacy.items()}
             return
-        try:
-            metadata = dcp.FileSystemReader(path).read_metadata()
-        except Exception as exc:  # a missing or truncated .metadata
-            raise CheckpointError(f"{path}/.metadata cannot be read ({type(exc).__name__}: {exc}): the checkpoint "
-                                  "is incomplete; use an older step directory") from None
+        metadata = read_index(path)
         self.specs = {k: (tuple(m.size), m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
                       if isinstance(m, TensorStorageMetadata) and not k.startswith(OPTIMIZER_PREFIX)}
 
@@ -118,7 +121,7 @@ def load_into_plain_model(path: str | os.PathLike[str], model: torch.nn.Module, 
         raise CheckpointError(f"checkpoint {stored.path} is format 1 (before DCP): its optimizer state loads "
                               "through the Trainer only; load the weights alone (no optimizer=)")
     names = {id(p): n for n, p in model.named_parameters()}
-    metadata = dcp.FileSystemReader(stored.path).read_metadata()
+    metadata = read_index(stored.path)
     room, by_index = optimizer_room(metadata.state_dict_metadata, optimizer, names)
     stored.load({**tensors, **room})
     load_optimizer(stored.path, optimizer, names, by_index)

@@ -103,10 +103,10 @@ def load_into_pipeline(path: str | Path, pipeline: PipelineModel, optimizer: tor
         return _load_legacy(path, pipeline, optimizer, names, plain_keys)
     problem = None
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = ckpt.read_index(path)
         specs = {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
-    except Exception as exc:
-        specs, problem = {}, f"{path}/.metadata cannot be read ({type(exc).__name__}: {exc})"
+    except ckpt.CheckpointError as exc:
+        specs, problem = {}, str(exc)
     held = _held(pipeline, plain_keys)
     problem = problem or misfits(path, {k: (tuple(m.size), m.properties.dtype) for k, m in specs.items()},
                                  {k: tuple(v.shape) for k, v in held.items()})
