@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 
 import replica
 from replica.checkpoint import store as ckpt
@@ -116,6 +117,15 @@ def test_a_checkpoint_resumes_in_any_layout_and_continues_the_uninterrupted_run(
     # every rank wrote its own shards, none most of them
     written = [r["a"][2] for r in reports]
     assert min(written) > 0 and max(written) <= 0.4 * sum(written), written
+
+    # checksummed per rank, and exported tensor by tensor with the tied head once, as Hugging Face stores it
+    step = tmp_path / "a" / "step-00000002"
+    assert ckpt.verify(step) is None
+    assert {f"__{r}_0.distcp" for r in range(4)} | {f"rank-{r:05d}.pt" for r in range(4)} <= set(
+        ckpt.read_manifest(step)["files"])
+    exported = load_file(str(replica.export_safetensors(step, tmp_path / "hf")))
+    assert "lm_head.weight" not in exported and reference[2].keys() <= exported.keys()  # and the buffers
+    assert_same_weights({k: exported[k] for k in reference[2]}, reference[2], **ACROSS_LAYOUTS)
 
     # torch.distributed.checkpoint alone: the plain model's state_dict, original names (the tied head too)
     plain = _case().model
