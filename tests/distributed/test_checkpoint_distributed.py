@@ -1,6 +1,7 @@
 """Checkpoints through torch.distributed.checkpoint on 4 gloo ranks, moved between layouts: written in
-2 pipeline x 2 zero3 replicas, resumed in 2 tensor-parallel x 2 replicas, then in one process, then
-into the plain model and its AdamW; the step after each resume equals the uninterrupted run's. Every
+2 pipeline x 2 zero3 replicas, resumed in 2 tensor-parallel x 2 replicas (saving in the background),
+then in 2 zero3 replicas x 2 tensor-parallel ranks, then in one process, then into the plain model and
+its AdamW; the step after each resume equals the uninterrupted run's. Every
 rank writes its own shards, torch.distributed.checkpoint alone reads them into the plain model, and
 another model's checkpoint is refused by name on every rank.
 
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.distributed
 
 PP2_ZERO3 = dict(num_stages=2, data_parallel_size=2, tensor_parallel_size=1, sharded_data_parallel="zero3")
 TP2_DP2 = dict(num_stages=1, data_parallel_size=2, tensor_parallel_size=2, sharded_data_parallel=False)
+ZERO3_TP2 = dict(num_stages=1, data_parallel_size=2, tensor_parallel_size=2, sharded_data_parallel="zero3")
 LR, WEIGHT_DECAY = 1e-2, 0.1
 
 
@@ -76,6 +78,11 @@ def layouts_job(rank: int, world: int, root: str) -> bytes:
     second = _trainer(root_path / "b", {**TP2_DP2, "checkpoint_async": True})
     second.train_dataset(case.example_inputs[0], case.target, epochs=3)
     report["b"] = (second.pipeline.plan.layout.describe(), second.step, second.resumed_from.name)
+    # resumed in 2 zero3 replicas x 2 tensor-parallel ranks (FSDP2 over the fused q/k/v pieces): one step more
+    _copy_newest(root_path / "b", root_path / "b2")
+    third = _trainer(root_path / "b2", ZERO3_TP2)
+    third.train_dataset(case.example_inputs[0], case.target, epochs=4)
+    report["b2"] = (third.pipeline.plan.layout.describe(), third.step, third.resumed_from.name)
     # another model (3 blocks, not 2) on that checkpoint: refused on every rank, by name
     try:
         _trainer(root_path / "b", PP2_ZERO3, num_layers=3).train_dataset(case.example_inputs[0], case.target, epochs=4)
@@ -106,13 +113,15 @@ def _stored(step: Path) -> dict[str, torch.Tensor]:
 
 def test_a_checkpoint_resumes_in_any_layout_and_continues_the_uninterrupted_run(tmp_path: Path) -> None:
     reports = _run(layouts_job, 4, str(tmp_path))
-    reference = _reference(5)
-    a, b = reports[0]["a"], reports[0]["b"]
+    reference = _reference(6)
+    a, b, b2 = reports[0]["a"], reports[0]["b"], reports[0]["b2"]
     assert "2 pipeline x 2 data (zero3" in a[0] and a[1] == 2, a
     assert "2 data" in b[0] and "x 2 tensor" in b[0] and "zero" not in b[0] and b[1] == 3, b
     assert b[2] == "step-00000002"
+    assert "2 data (zero3" in b2[0] and "x 2 tensor" in b2[0] and b2[1] == 4 and b2[2] == "step-00000003", b2
     assert_same_weights(_stored(tmp_path / "a" / "step-00000002"), reference[2], **ACROSS_LAYOUTS)
     assert_same_weights(_stored(tmp_path / "b" / "step-00000003"), reference[3], **ACROSS_LAYOUTS)
+    assert_same_weights(_stored(tmp_path / "b2" / "step-00000004"), reference[4], **ACROSS_LAYOUTS)
 
     # every rank wrote its own shards, none most of them
     written = [r["a"][2] for r in reports]
@@ -141,14 +150,14 @@ def test_a_checkpoint_resumes_in_any_layout_and_continues_the_uninterrupted_run(
         assert "missing (first: transformer.h.2." in r["other"], r["other"]
         assert "aliases=" not in r["other"] and "all_names=" not in r["other"]
 
-    # one process (2 stages here): resumed from the tensor-parallel run's step 3, one step more
-    shutil.copytree(tmp_path / "b" / "step-00000003", tmp_path / "c" / "step-00000003")
+    # one process (2 stages here): resumed from the FSDP x tensor-parallel run's step 4, one step more
+    shutil.copytree(tmp_path / "b2" / "step-00000004", tmp_path / "c" / "step-00000004")
     here = _trainer(tmp_path / "c", dict(num_stages=2))
-    here.train_dataset(_case().example_inputs[0], _case().target, epochs=4)
-    assert here.resumed_from.name == "step-00000003" and here.step == 4
-    assert_same_weights(weights(here.model), reference[4], **ACROSS_LAYOUTS)
+    here.train_dataset(_case().example_inputs[0], _case().target, epochs=5)
+    assert here.resumed_from.name == "step-00000004" and here.step == 5
+    assert_same_weights(weights(here.model), reference[5], **ACROSS_LAYOUTS)
 
-    # the plain model and a plain AdamW: weights and moments by name; plain torch takes step 5
+    # the plain model and a plain AdamW: weights and moments by name; plain torch takes step 6
     case = _case()
     torch.manual_seed(1)
     model = models.tiny_gpt(8).model  # other weights: all must come from the checkpoint
@@ -158,4 +167,4 @@ def test_a_checkpoint_resumes_in_any_layout_and_continues_the_uninterrupted_run(
     optimizer.zero_grad()
     case.loss_fn(model(*case.example_inputs), case.target).backward()
     optimizer.step()
-    assert_same_weights(weights(model), reference[5], **ACROSS_LAYOUTS)
+    assert_same_weights(weights(model), reference[6], **ACROSS_LAYOUTS)
