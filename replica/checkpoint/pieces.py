@@ -100,20 +100,22 @@ class _Pieces(torch.Tensor):
         raise ValueError(f"{index.fqn}: this rank holds no piece at {index.offset}")
 
 
-def as_pieces(t: DTensor) -> torch.Tensor:
-    """``t``'s local shard (sharing its storage) described to DCP box by box."""
-    local = t.to_local().detach()
+def _pieces(local: torch.Tensor, global_shape: torch.Size, boxes: list[Box]) -> torch.Tensor:
     out = torch.Tensor._make_subclass(_Pieces, local, False)
-    out._local, out._global, out._boxes = local, t.shape, _boxes(t)
+    out._local, out._global, out._boxes = local, global_shape, boxes
     return out
 
 
+def as_pieces(t: DTensor) -> torch.Tensor:
+    """``t``'s local shard (sharing its storage) described to DCP box by box."""
+    return _pieces(t.to_local().detach(), t.shape, _boxes(t))
+
+
 def snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` as DCP sees it (a DTensor stays one, pieces stay pieces), for a save that
-    goes on in the background while training changes ``t``."""
+    """A copy of ``t`` on the CPU as DCP sees it (a DTensor's or pieces' local shard, told to DCP
+    box by box), for a save that goes on in the background while training changes ``t``."""
     if isinstance(t, _Pieces):
-        local = t._local.clone()
-        out = torch.Tensor._make_subclass(_Pieces, local, False)
-        out._local, out._global, out._boxes = local, t._global, t._boxes
-        return out
-    return t.detach().clone()
+        return _pieces(t._local.to("cpu", copy=True), t._global, t._boxes)
+    if isinstance(t, DTensor):
+        return _pieces(t.to_local().detach().to("cpu", copy=True), t.shape, _boxes(t))
+    return t.detach().to("cpu", copy=True)

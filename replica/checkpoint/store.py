@@ -282,7 +282,7 @@ def save(checkpoint_dir: str | os.PathLike[str], step: int, tensors: dict[str, t
         pending.finish()  # raises on every rank
     writer = dcp.FileSystemWriter(tmp, sync_files=True, overwrite=True)
     try:
-        if asynchronous:  # copied here, as DCP sees them (its own stager would lose pieces' boxes)
+        if asynchronous:  # copied to the CPU here, as DCP sees them (its own stager would lose pieces' boxes)
             copies = {k: snapshot(v) for k, v in tensors.items()}
             pending.future = dcp.async_save(copies, storage_writer=writer, process_group=_async_group(),
                                              async_stager=_Copied(), no_dist=not _distributed())

@@ -78,9 +78,10 @@ def layouts_job(rank: int, world: int, root: str) -> bytes:
     second = _trainer(root_path / "b", {**TP2_DP2, "checkpoint_async": True})
     second.train_dataset(case.example_inputs[0], case.target, epochs=3)
     report["b"] = (second.pipeline.plan.layout.describe(), second.step, second.resumed_from.name)
-    # resumed in 2 zero3 replicas x 2 tensor-parallel ranks (FSDP2 over the fused q/k/v pieces): one step more
+    # resumed in 2 zero3 replicas x 2 tensor-parallel ranks (FSDP2 over the fused q/k/v pieces): one step more,
+    # saved in the background
     _copy_newest(root_path / "b", root_path / "b2")
-    third = _trainer(root_path / "b2", ZERO3_TP2)
+    third = _trainer(root_path / "b2", {**ZERO3_TP2, "checkpoint_async": True})
     third.train_dataset(case.example_inputs[0], case.target, epochs=4)
     report["b2"] = (third.pipeline.plan.layout.describe(), third.step, third.resumed_from.name)
     # another model (3 blocks, not 2) on that checkpoint: refused on every rank, by name
