@@ -19,8 +19,9 @@ Per rank: the bytes it holds (weights + AdamW state, local shards: its "own stat
 growth of live tensor bytes during the save (torch's profiler, ``profile_memory``: every CPU
 allocation and free summed in order — tensors only, not RSS, as ``sharded_dp.py`` does), as a
 multiple of its own state; the bytes it wrote (its files) and their share of the step's; save and
-load seconds (between barriers, the median over repeats). Target (#38): growth <= 1.2x own state,
-no rank writing more than 40% of the bytes.
+load seconds (between barriers, the median over repeats); and for ``checkpoint_async`` the
+seconds training waits (the CPU copy and DCP's planning) and those until the step is published.
+Target (#38): growth <= 1.2x own state, no rank writing more than 40% of the bytes.
 
 Usage: ``python benchmarks/checkpoint.py [--layouts zero3x4,pp2xzero3x2,tp2xdp2] [--repeats 2]
 [--layers 6] [--width 768] [--vocab 8192]``.
@@ -135,7 +136,7 @@ def job(rank: int, world: int, layout: str, root: str, repeats: int, config: dic
     names, plain_keys = trainer._names, trainer._plain_keys
     own = _own_bytes(pm, optimizer)
     base = Path(root) / layout
-    rows: dict[str, list[dict]] = {"dcp": [], "old": []}
+    rows: dict[str, list[dict]] = {"dcp": [], "old": [], "async": []}
     for r in range(repeats):
         for kind in (("dcp", "old") if r % 2 == 0 else ("old", "dcp")):
             directory = base / f"{kind}-{r}"
@@ -159,6 +160,15 @@ def job(rank: int, world: int, layout: str, root: str, repeats: int, config: dic
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(directory, ignore_errors=True)
+        # checkpoint_async: how long the step waits (the CPU copy, DCP's planning), then until published
+        directory = base / f"async-{r}"
+        pending, blocked_s = _timed(lambda: state.save_pipeline(directory, 1, pm, optimizer, names, plain_keys,
+                                                                {"world_size": world}, keep=1, asynchronous=True))
+        _, publish_s = _timed(pending.finish)
+        rows["async"].append({"blocked_s": blocked_s, "publish_s": publish_s})
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
     return {"rank": rank, "own": own, "layout": pm.plan.layout.describe(), "rows": rows}
 
 
@@ -180,8 +190,11 @@ def report(layout: str, results: list[dict]) -> str:
             f"| {m['dcp']['load_s']:.2f} / {m['old']['load_s']:.2f} |")
     worst = max(statistics.median(x["growth"] for x in r["rows"]["dcp"]) / r["own"] for r in results)
     share = max(statistics.median(x["written"] for x in r["rows"]["dcp"]) for r in results) / max(totals["dcp"], 1)
+    blocked = max(statistics.median(x["blocked_s"] for x in r["rows"]["async"]) for r in results)
+    publish = max(statistics.median(x["publish_s"] for x in r["rows"]["async"]) for r in results)
     lines += ["", f"dcp: worst growth {worst:.2f}x own state (target <= 1.2x), largest writer {share:.0%} of "
-              f"{totals['dcp'] / MIB:.0f} MiB (target <= 40%); old: {totals['old'] / MIB:.0f} MiB written", ""]
+              f"{totals['dcp'] / MIB:.0f} MiB (target <= 40%); old: {totals['old'] / MIB:.0f} MiB written; "
+              f"checkpoint_async: training waits {blocked:.2f} s, published {publish:.2f} s later", ""]
     return "\n".join(lines)
 
 
