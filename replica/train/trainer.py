@@ -333,8 +333,9 @@ class Trainer:
                 **({} if self.scaler is None else {"scaler": self.scaler.state_dict()}),  # fp16's loss scale
                 "layout": {"num_stages": p.num_stages, "num_microbatches": p.num_microbatches,
                            "schedule": p.schedule, "data_parallel_size": p.data_parallel_size,
-                           "tensor_parallel_size": p.layout.tensor_parallel_size,
-                           "sharded_data_parallel": p.layout.sharded, "world_size": self.world_size}}
+                           "tensor_parallel_size": p.layout.tensor_parallel_size, "sharding": p.layout.sharding,
+                           "shard_group_size": p.layout.shard_group_size, "describe": p.layout.describe(),
+                           "world_size": self.world_size}}
         pending = save_pipeline(c.checkpoint_dir, self.step, pm, self.optimizer, self._names, self._plain_keys, meta,
                                 keep=c.keep_checkpoints, asynchronous=c.checkpoint_async)
         self._last_saved_step = self.step
