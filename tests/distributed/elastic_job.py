@@ -1,11 +1,12 @@
-"""A training job that loses a rank mid-epoch on its first attempt; torchrun restarts it and it resumes.
+"""A training job that loses a rank mid-save on its first attempt; torchrun restarts it and it resumes.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1 \\
         tests/distributed/elastic_job.py OUT_DIR
 
-Rank 1 kills itself (``os._exit``) right after step ``CRASH_STEP`` on attempt 0
-(``TORCHELASTIC_RESTART_COUNT``); rank 0 then fails waiting for it, torchrun restarts
-both, and the trainer resumes from the newest checkpoint in ``OUT_DIR/checkpoints``.
+Rank 1 kills itself (``os._exit``) in the middle of writing its shards of the checkpoint of
+step ``CRASH_STEP`` on attempt 0 (``TORCHELASTIC_RESTART_COUNT``); rank 0 then fails waiting
+for it, torchrun restarts both, and the trainer resumes from the newest complete checkpoint in
+``OUT_DIR/checkpoints`` (``LAST_GOOD``: the half-written step is never published).
 Each rank of each attempt that finishes writes ``OUT_DIR/attempt{A}-rank{R}.json``.
 :func:`train` runs the same training in one process: the uninterrupted reference.
 """
@@ -32,7 +33,8 @@ from replica.train.trainer import Trainer, get_trainer  # noqa: E402
 NUM_SAMPLES = 240  # 7 full batches of 32 and one of 16, merged into the 7th: 7 steps per epoch
 EPOCHS = 2
 CHECKPOINT_EVERY = 3
-CRASH_STEP = 5  # after the checkpoint of step 3, mid-epoch 0
+CRASH_STEP = 6  # while saving step 6, mid-epoch 0
+LAST_GOOD = 3
 
 
 def train(checkpoint_dir: str | Path, *, num_stages: int | None = None,
@@ -58,11 +60,18 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    def crash(trainer: Trainer) -> None:
-        if attempt == 0 and rank == 1 and trainer.step == CRASH_STEP:
-            os._exit(17)  # no clean-up, no goodbye to the other rank: as a killed process
+    if attempt == 0 and rank == 1:
+        half_written = out / "checkpoints" / f".tmp-step-{CRASH_STEP:08d}"
+        save = torch.save
 
-    trainer = train(out / "checkpoints", on_step_end=crash)
+        def crash(obj, f, *args, **kwargs):  # DCP writes each tensor of the rank's shards with torch.save
+            if isinstance(obj, torch.Tensor) and half_written.is_dir():
+                os._exit(17)  # no clean-up, no goodbye to the other rank: as a killed process
+            return save(obj, f, *args, **kwargs)
+
+        torch.save = crash
+
+    trainer = train(out / "checkpoints")
     report = {"attempt": attempt, "rank": rank, "step": trainer.step,
               "resumed_from": None if trainer.resumed_from is None else trainer.resumed_from.name}
     (out / f"attempt{attempt}-rank{rank}.json").write_text(json.dumps(report))
