@@ -4,7 +4,8 @@ from replica import defaults
 from replica.amp import GradScaler
 from replica.api import PipelineModel, auto_parallel, plan
 from replica.checkpoint.export import export_safetensors
-from replica.checkpoint.store import CheckpointError, load_into_plain_model
+from replica.checkpoint.store import CheckpointError
+from replica.checkpoint.tensors import load_into_plain_model
 from replica.errors import (
     ConfigError,
     PartitionError,

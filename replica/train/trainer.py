@@ -45,7 +45,7 @@ from replica.train.loss import ModelLoss
 from replica.train.metrics import batch_sums, metric_names
 from replica.train.optim import OptimizerFactory, make_optimizer
 from replica.train.report import Reporter
-from replica.train.state import OTHER_MODEL, load_into_pipeline, shard_of
+from replica.train.state import OTHER_MODEL, load_into_pipeline, save_pipeline
 from replica.weights import WeightsError
 
 __all__ = ["Trainer", "get_trainer"]
@@ -117,6 +117,7 @@ class Trainer:
         self.scaler: GradScaler | None = None  # fp16's loss scaler, made with the pipeline
         self._resumed: dict[str, Any] | None = None  # the trainer state of the checkpoint loaded, until its call
         self._last_saved_step: int | None = None
+        self._pending: ckpt.PendingSave | None = None  # a background save not yet published
         self._due = False  # a checkpoint fell due on an epoch's last step
         self._run: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
@@ -307,6 +308,8 @@ class Trainer:
             self.reporter.close()
         if c.checkpoint_dir is not None and self._last_saved_step != self.step:
             self.save_checkpoint()
+        if c.checkpoint_dir is not None:
+            self.wait_for_checkpoint()  # train_dataset returns with its checkpoints published
         self.history += history
         return history
 
@@ -362,30 +365,52 @@ class Trainer:
 
     # --- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoint_dir/step-XXXXXXXX`` now (collective: every rank calls)."""
+        """Write ``checkpoint_dir/step-XXXXXXXX`` now (collective: every rank calls): each rank its own
+        shards, through torch.distributed.checkpoint. With ``config.checkpoint_async`` the write goes
+        on in the background and is published by the next save (or the end of ``train_dataset``);
+        the path is returned either way."""
         c, pm = self.config, self.pipeline
         if c.checkpoint_dir is None or pm is None:
             raise ConfigError("save_checkpoint needs config.checkpoint_dir and a built pipeline (train first)")
-        if not self._writing:  # a save of its own, outside train_dataset: the lock for its length
+        if not self._writing:  # a save of its own, outside train_dataset: the lock until it is published
             self._lock_checkpoint_dir()
             self._writing = True
             try:
-                return self.save_checkpoint()
+                path = self.save_checkpoint()
+                self.wait_for_checkpoint()
+                return path
             finally:
                 self._writing = False
                 if self.is_main:
                     lock.release(c.checkpoint_dir)
-        shard = shard_of(pm, self.optimizer, self._names, self._plain_keys, self.world_size)
+        self.wait_for_checkpoint()  # one save in flight at most
         p = pm.plan
         meta = {"step": self.step, "epoch": self.epoch, "batch": self._batch_in_epoch, "call": self._call,
                 "call_start_epoch": self._call_start_epoch, **self._run,
                 **({} if self.scaler is None else {"scaler": self.scaler.state_dict()}),  # fp16's loss scale
                 "layout": {"num_stages": p.num_stages, "num_microbatches": p.num_microbatches,
                            "schedule": p.schedule, "data_parallel_size": p.data_parallel_size,
+                           "tensor_parallel_size": p.layout.tensor_parallel_size, "sharding": p.layout.sharding,
+                           "shard_group_size": p.layout.shard_group_size, "describe": p.layout.describe(),
                            "world_size": self.world_size}}
-        path = ckpt.save(c.checkpoint_dir, self.step, shard, meta, keep=c.keep_checkpoints, tied=p.tied_parameters)
+        pending = save_pipeline(c.checkpoint_dir, self.step, pm, self.optimizer, self._names, self._plain_keys, meta,
+                                keep=c.keep_checkpoints, asynchronous=c.checkpoint_async)
         self._last_saved_step = self.step
-        self.reporter.record("checkpoint", step=self.step, path=str(path))
+        path = ckpt.step_dir(c.checkpoint_dir, self.step)
+        if pending.path is None:
+            self._pending = pending
+        else:
+            self.reporter.record("checkpoint", step=self.step, path=str(path))
+        return path
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Finish a background save (collective): wait for every rank's files and publish the step
+        directory. Returns it, or None when no save was in flight."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        path = pending.finish()
+        self.reporter.record("checkpoint", step=pending.step, path=str(path))
         return path
 
     def _lock_checkpoint_dir(self) -> None:

@@ -1,13 +1,14 @@
-"""A training job that loses a rank mid-epoch on its first attempt; torchrun restarts it and it resumes.
+"""A training job that loses a rank mid-save on its first attempt; torchrun restarts it and it resumes.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 1 \\
         tests/distributed/elastic_job.py OUT_DIR
 
 As a new user writes it, from README: no process group started by hand (the Trainer starts
-it from torchrun's environment). Rank 1 is killed (``SIGKILL``, as ``kill -9``) right after
-step ``CRASH_STEP`` on attempt 0 (``TORCHELASTIC_RESTART_COUNT``); the others then fail
-waiting for it, torchrun restarts them all, and the trainer resumes from the newest
-checkpoint in ``OUT_DIR/checkpoints``.
+it from torchrun's environment). Rank 1 is killed (``SIGKILL``, as ``kill -9``) in the middle of
+writing its share of the checkpoint of step ``CRASH_STEP`` on attempt 0
+(``TORCHELASTIC_RESTART_COUNT``); the others then fail waiting for it, torchrun restarts them
+all, and the trainer resumes from the newest complete checkpoint in ``OUT_DIR/checkpoints``
+(``LAST_GOOD``: the half-written step is never published).
 Each rank of each attempt that finishes writes ``OUT_DIR/attempt{A}-rank{R}.json``. With
 ``--data-parallel-size 3`` every rank fails alike at planning: rank 0 prints the error, the
 others a line each.
@@ -36,7 +37,8 @@ from replica.train.trainer import Trainer, get_trainer  # noqa: E402
 NUM_SAMPLES = 240  # 7 full batches of 32 and one of 16, merged into the 7th: 7 steps per epoch
 EPOCHS = 2
 CHECKPOINT_EVERY = 3
-CRASH_STEP = 5  # after the checkpoint of step 3, mid-epoch 0
+CRASH_STEP = 6  # while saving step 6, mid-epoch 0
+LAST_GOOD = 3
 
 
 def train(checkpoint_dir: str | Path, *, num_stages: int | None = None, progress: bool = False,
@@ -64,12 +66,19 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    def crash(trainer: Trainer) -> None:
-        if attempt == 0 and rank == 1 and trainer.step == CRASH_STEP:
-            os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no clean-up, no goodbye to the other ranks
+    if attempt == 0 and rank == 1:
+        half_written = out / "checkpoints" / f".tmp-step-{CRASH_STEP:08d}"
+        save = torch.save
 
-    trainer = train(out / "checkpoints", progress=True, data_parallel_size=args.data_parallel_size,
-                    on_step_end=crash)  # the process group: started by the trainer
+        def crash(obj, f, *args, **kwargs):  # DCP writes the rank's shards (and its RNG file) with torch.save
+            if half_written.is_dir():
+                os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no clean-up, no goodbye to the other ranks
+            return save(obj, f, *args, **kwargs)
+
+        torch.save = crash
+
+    trainer = train(out / "checkpoints", progress=True, data_parallel_size=args.data_parallel_size)
+    # the process group: started by the trainer
     report = {"attempt": attempt, "rank": rank, "step": trainer.step,
               "resumed_from": None if trainer.resumed_from is None else trainer.resumed_from.name}
     (out / f"attempt{attempt}-rank{rank}.json").write_text(json.dumps(report))
