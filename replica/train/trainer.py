@@ -393,8 +393,17 @@ class Trainer:
                            "tensor_parallel_size": p.layout.tensor_parallel_size, "sharding": p.layout.sharding,
                            "shard_group_size": p.layout.shard_group_size, "describe": p.layout.describe(),
                            "world_size": self.world_size}}
-        pending = save_pipeline(c.checkpoint_dir, self.step, pm, self.optimizer, self._names, self._plain_keys, meta,
-                                keep=c.keep_checkpoints, asynchronous=c.checkpoint_async)
+        try:
+            pending = save_pipeline(c.checkpoint_dir, self.step, pm, self.optimizer, self._names, self._plain_keys,
+                                    meta, keep=c.keep_checkpoints, asynchronous=c.checkpoint_async)
+        except RuntimeError as exc:  # a collective of the save failed: a peer died or hung
+            if not _distributed():
+                raise
+            raise ckpt.CheckpointError(
+                f"saving checkpoint step {self.step} failed on rank {self.rank} of {self.world_size} while the ranks "
+                f"wrote it together: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}. Another rank died or "
+                "hung; this step is not published and the one before it stays, to resume from"
+            ) from exc
         self._last_saved_step = self.step
         path = ckpt.step_dir(c.checkpoint_dir, self.step)
         if pending.path is None:
