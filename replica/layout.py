@@ -194,7 +194,7 @@ class Layout:
         return (f"{self.pipeline_ranks} pipeline x {self.data_parallel_size} data"
                 + (f" ({self.sharding} sharded{hsdp})" if self.sharded else "")
                 + (f" x {self.tensor_parallel_size} tensor" if self.tensor_parallel_size > 1 else "")
-                + f", {self.num_stages} stages, {self.schedule}")
+                + f", {self.num_stages} stage{'s' if self.num_stages != 1 else ''}, {self.schedule}")
 
     # --- ranks -------------------------------------------------------------------------
     def coordinates(self, rank: int) -> Coordinates:

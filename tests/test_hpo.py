@@ -144,7 +144,7 @@ def test_a_setup_too_large_for_its_budget_is_pruned_before_it_trains(tmp_path: P
                    storage=str(tmp_path / "s.log"))
     (t,) = study.trials
     assert t.state == TrialState.PRUNED
-    assert "Net does not fit in 1 stages" in t.user_attrs["pruned_reason"]
+    assert "Net does not fit in 1 stage of" in t.user_attrs["pruned_reason"]
     assert "seconds" not in t.user_attrs and not t.intermediate_values  # never trained
 
 

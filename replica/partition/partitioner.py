@@ -25,6 +25,7 @@ from replica.partition.cost import CostModel
 from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo, fingerprint
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
 from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
+from replica.units import format_bytes
 
 __all__ = ["MemoryModel", "partition", "in_flight_microbatches", "weight_copy_bytes", "fsdp_unit",
            "units_in_flight", "reshard", "MAX_EXACT_POSITIONS"]
@@ -490,8 +491,9 @@ def _infeasible(graph: Graph, num_stages: int, budgets: list[float],
     hint = f"the smallest num_stages that fits is {fits}" if fits else \
         "no stage count up to the number of cut points fits"
     return PartitionError(
-        f"{graph.model_name or 'the model'} does not fit in {num_stages} stages of {budget / 2**30:.2f} GiB: the "
-        f"best partition needs {need(num_stages) / 2**30:.2f} GiB on its fullest stage (weights, gradients, "
+        f"{graph.model_name or 'the model'} does not fit in {num_stages} stage{'s' if num_stages != 1 else ''} of "
+        f"{format_bytes(budget)}: the best partition needs {format_bytes(need(num_stages))} on its fullest stage "
+        "(weights, gradients, "
         f"optimizer state and in-flight activations); {hint}. Use more stages (or ranks), fewer micro-batches "
         "in flight (schedule='1f1b'), recompute=True, a lighter optimizer, or a larger memory_budget."
     )
