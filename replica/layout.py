@@ -206,7 +206,7 @@ class Layout:
                 + (f" ({self.sharding} sharded{hsdp})" if self.sharded else "")
                 + (f" x {self.tensor_parallel_size} tensor" if self.tensor_parallel_size > 1 else "")
                 + (" (sequence parallel)" if self.sequence_parallel else "")
-                + f", {self.num_stages} stages, {self.schedule}")
+                + f", {self.num_stages} stage{'s' if self.num_stages != 1 else ''}, {self.schedule}")
 
     # --- ranks -------------------------------------------------------------------------
     def coordinates(self, rank: int) -> Coordinates:

@@ -11,7 +11,7 @@ from typing import Any
 from replica.errors import ConfigError
 from replica.layout import Layout
 from replica.partition.tensor_parallel import ShardedBlock
-from replica.units import format_bytes, format_seconds
+from replica.units import format_bytes, format_flop_rate, format_seconds
 
 __all__ = ["BoundaryTensor", "MemoryBreakdown", "StagePlan", "Plan"]
 
@@ -364,7 +364,7 @@ class Plan:
                 str(s.stage_index), str(s.num_ops), _bytes(s.memory.parameters),
                 _span(s.module_paths), _seconds(s.forward_time_s + s.backward_time_s),
                 _seconds(s.communication_time_s), _bytes(s.predicted_memory_bytes),
-                ", ".join(f"{_bytes(b.nbytes)}→{'/'.join(map(str, b.destination_stages))}" for b in s.outputs[:3])
+                ", ".join(f"{_sent(b)}→{'/'.join(map(str, b.destination_stages))}" for b in s.outputs[:3])
                 + (" …" if len(s.outputs) > 3 else ""),
             )
         out = io.StringIO()
@@ -392,7 +392,7 @@ class Plan:
             per_device = self.model_flops / self.predicted_step_time_s / max(1, devices)
             mfu = (f", {per_device / self.device_peak_flops:.0%} model-FLOPs utilisation"
                    if self.device_peak_flops else "")
-            lines.append(f"predicted {per_device / 1e12:.1f} TFLOP/s per device{mfu}")
+            lines.append(f"predicted {format_flop_rate(per_device)} per device{mfu}")
         if self.dynamic_dims:
             lines.append("dynamic dims per input (others fixed by torch.export): " + "; ".join(
                 f"input {i}: {', '.join(map(str, dims)) or 'none'}" for i, dims in enumerate(self.dynamic_dims)))
@@ -412,6 +412,11 @@ def _span(paths: tuple[str, ...]) -> str:
     if not paths:
         return "-"
     return paths[0] if len(paths) == 1 else f"{paths[0]} … {paths[-1]}"
+
+
+def _sent(b: BoundaryTensor) -> str:
+    """A send's size; a Python number (a size from the batch's shape, a flag) has none in bytes."""
+    return _bytes(b.nbytes) if b.shape is not None else "a number"
 
 
 def _bytes(n: float) -> str:

@@ -122,10 +122,14 @@ def _check_shardable(r: PlanRequest) -> None:
             f"schedule {r.schedule!r} yet: FSDP reduces a weight's gradient when autograd makes it, before a deferred "
             "W action. Use gpipe, 1f1b or interleaved with sharding, or schedule='auto'")
     if r.replicas_fixed() == 1:
+        where = ("this plans for one process (no world_size=, no process group): run auto_parallel or the Trainer "
+                 "under torchrun (torchrun --nproc_per_node N), or give replica.plan world_size=N; in one process use"
+                 if r.world_size is None else
+                 f"this layout of world_size={r.world_size} has one: give num_stages= or data_parallel_size= that "
+                 "leaves replicas, or")
         raise ConfigError(
             f"sharded_data_parallel={r.sharded_data_parallel!r} shards each stage over its data-parallel replicas, "
-            "but this layout has one: give world_size= (and num_stages= or data_parallel_size=) that leaves "
-            "replicas, or sharded_data_parallel=None / False")
+            f"but {where} sharded_data_parallel=None / False")
 
 
 def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, r: PlanRequest, tie: float) -> Plan:

@@ -226,7 +226,9 @@ class PlanRequest(PlanningOptions):
         if self.world_size is None and self.data_parallel_size not in (None, 1):
             raise ConfigError(
                 f"data_parallel_size={self.data_parallel_size} needs a world of processes: give world_size= to "
-                "replica.plan, or run auto_parallel under torchrun"
+                "replica.plan, or start auto_parallel or the Trainer under torchrun (torchrun --nproc_per_node N, N "
+                f"a multiple of {self.data_parallel_size}); this runs in one process, which has no replicas: leave "
+                "data_parallel_size None here"
             )
         self._check_world()
         self._check_tensor_parallel()
