@@ -56,6 +56,8 @@ def test_sequence_parallel_needs_tensor_parallelism() -> None:
         replica.plan(model, inputs, world_size=2, tensor_parallel_size=1, sequence_parallel=True)
     with pytest.raises(replica.ConfigError, match="sequence_parallel=True.*one process"):
         replica.plan(model, inputs, sequence_parallel=True)
+    with pytest.raises(replica.ConfigError, match="sequence_parallel=True.*tuner may only use tensor_parallel_size=1"):
+        replica.plan(model, inputs, world_size=2, sequence_parallel=True, device="cpu")  # one device per node
     with pytest.raises(replica.ConfigError, match="sequence_parallel must be"):
         replica.plan(model, inputs, world_size=2, sequence_parallel="yes")
     with pytest.raises(replica.ConfigError, match="tensor_parallel_size > 1"):

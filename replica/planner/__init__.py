@@ -55,6 +55,14 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     if r.tuning:
         world = r.world_size if r.world_size is not None else (r.num_stages or 1)
         schedules = None if r.schedule == "auto" else (r.schedule,)
+        sizes = _worth_cutting(pricing, r.tensor_parallel_choices(pricing.spec.devices_per_node),
+                               r.tensor_parallel_size is not None)
+        if r.sequence_parallel and max(sizes) == 1:
+            raise ConfigError(
+                f"sequence_parallel=True shards the tokens between tensor-parallel blocks, but on {pricing.spec.name} "
+                f"({pricing.spec.devices_per_node} device(s) per node) the tuner may only use "
+                f"tensor_parallel_size=1 here; give tensor_parallel_size=2 or more (a divisor of world_size={world}), "
+                "or sequence_parallel=None / False")
         best, _ = tune(lambda layout, m, within, again: pricing.partition_for(layout, m, within_budget=within,
                                                                                 recompute=again, simulated=within),
                        lambda plan, layout, schedule: pricing.collectives(pricing.reshard(plan, layout), layout,
@@ -63,8 +71,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                        device=pricing.spec, memory_budget=pricing.budget_per_device(), num_stages=r.num_stages,
                        num_microbatches=r.num_microbatches, data_parallel_size=r.replicas_fixed(),
                        recompute=(False, True) if full is None else (full,), shardings=r.shardings,
-                       tensor_parallel_sizes=_worth_cutting(pricing, r.tensor_parallel_choices(
-                           pricing.spec.devices_per_node), r.tensor_parallel_size is not None),
+                       tensor_parallel_sizes=sizes,
                        shard_groups=lambda replicas, per_replica: r.shard_groups(replicas, per_replica,
                                                                                   pricing.spec.devices_per_node),
                        sequence_parallel=lambda t: _sequence_choices(pricing, r, t),
