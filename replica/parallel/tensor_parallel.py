@@ -79,7 +79,7 @@ class ToReplicated(torch.nn.Module):
         def wrap(v: Any) -> Any:
             if not isinstance(v, torch.Tensor):
                 return v
-            if half is not None and v.is_floating_point() and v.dtype.itemsize > half.itemsize:
+            if half is not None and v.dtype == torch.float32:  # what autocast casts (not fp64)
                 v = v.to(half)
             if not isinstance(v, dt.DTensor):
                 return dt.DTensor.from_local(v, self.mesh, [dt.Replicate()], run_check=False)
