@@ -50,6 +50,10 @@ class PlanningOptions:
     ``"zero2"`` as priced, or the one named; False: whole copies; None: the planner decides),
     ``shard_group_size`` (HSDP: the replicas of each FSDP shard group, the groups replicating each
     other; None: the planner weighs one group of every replica against groups that fit a node),
+    ``sequence_parallel`` (Megatron's sequence parallelism, with ``tensor_parallel_size`` > 1: the
+    norms, dropouts and residuals between tensor-parallel blocks hold a shard of the tokens, a
+    block's entry all-gathers them and its exit reduce-scatters; True, False, or None: the
+    planner prices both),
     ``recompute`` (activation checkpointing per stage, :mod:`replica.partition.recompute`: True
     checkpoints every block, a stage without blocks whole; ``"selective"`` keeps the blocks'
     matmul and attention outputs and recomputes the rest; an int ``k`` the first k blocks of each
@@ -81,6 +85,7 @@ class PlanningOptions:
     tensor_parallel_size: int | None = None
     sharded_data_parallel: bool | str | None = None
     shard_group_size: int | None = None
+    sequence_parallel: bool | None = None
     recompute: bool | str | int | None = None
     mixed_precision: Any = None
     device: Any = None
@@ -121,6 +126,14 @@ class PlanningOptions:
                 f"shard_group_size={g} does not divide data_parallel_size={d}: each shard group holds {g} replicas "
                 f"and the groups replicate each other. Use shard_group_size in "
                 f"{[k for k in range(1, d + 1) if d % k == 0]}")
+        if self.sequence_parallel not in (None, True, False):
+            raise ConfigError(f"sequence_parallel must be True, False or None (the planner decides), got "
+                              f"{self.sequence_parallel!r}")
+        if self.sequence_parallel is True and self.tensor_parallel_size == 1:
+            raise ConfigError(
+                "sequence_parallel=True shards the tokens between tensor-parallel blocks across each stage's "
+                "tensor-parallel ranks, but tensor_parallel_size=1; use tensor_parallel_size=2 or more (a divisor of "
+                "the world size), or sequence_parallel=False / None")
         k = self.recompute
         if not (k is None or isinstance(k, bool) or k in ("pointwise", "selective") or isinstance(k, int) and k >= 0):
             raise ConfigError(
@@ -217,10 +230,18 @@ class PlanRequest(PlanningOptions):
         if self.world_size is None and self.data_parallel_size not in (None, 1):
             raise ConfigError(
                 f"data_parallel_size={self.data_parallel_size} needs a world of processes: give world_size= to "
-                "replica.plan, or run auto_parallel under torchrun"
+                "replica.plan, or start auto_parallel or the Trainer under torchrun (torchrun --nproc_per_node N, N "
+                f"a multiple of {self.data_parallel_size}); this runs in one process, which has no replicas: leave "
+                "data_parallel_size None here"
             )
         self._check_world()
         self._check_tensor_parallel()
+        if self.sequence_parallel is True and self.tensor_parallel_fixed() == 1:
+            raise ConfigError(
+                "sequence_parallel=True shards the tokens between tensor-parallel blocks, but this plan has one "
+                "tensor-parallel rank per stage (" + ("one process" if self.world_size is None else
+                                                      "a layout fixed without tensor_parallel_size") +
+                "); give world_size= and tensor_parallel_size=2 or more, or sequence_parallel=False / None")
         if self.world_size is not None and self.num_stages is not None:
             self._check_stages_fit()
 
@@ -311,6 +332,15 @@ class PlanRequest(PlanningOptions):
         if isinstance(asked, str):
             return (asked,)
         return ("zero3", "zero2") if asked else ("none",)
+
+    def sequence_parallel_choices(self, tensor_parallel_size: int) -> tuple[bool, ...]:
+        """The sequence-parallel settings to price at ``tensor_parallel_size``: the one asked
+        (True only where it cuts: none at one rank), else both where it cuts."""
+        if tensor_parallel_size <= 1:
+            return () if self.sequence_parallel else (False,)
+        if self.sequence_parallel is None:
+            return (False, True)
+        return (self.sequence_parallel,)
 
     def shard_groups(self, replicas: int, ranks_per_replica: int, devices_per_node: int) -> tuple[int, ...]:
         """The shard-group sizes to price for ``replicas`` sharded replicas of

@@ -196,6 +196,7 @@ def tune(
     tensor_parallel_sizes: Sequence[int] = (1,),
     shard_groups: Callable[[int, int], Sequence[int]] = lambda replicas, ranks_per_replica: (replicas,),
     options: PlannerOptions = PlannerOptions(),
+    sequence_parallel: Callable[[int], Sequence[bool]] = lambda tensor_parallel_size: (False,),
 ) -> tuple[Plan, list[Candidate]]:
     """Search the layouts of ``world_size`` devices for the fastest that fits a global ``batch``.
 
@@ -207,7 +208,7 @@ def tune(
     where the layout allows it: more than one replica and a schedule that does not split backward,
     each sharded one in the shard groups ``shard_groups(replicas, ranks per replica)`` gives (HSDP
     where a group is smaller than the replicas); and each of ``tensor_parallel_sizes`` that
-    divides the world.
+    divides the world, with each of ``sequence_parallel(tensor_parallel_size)``.
     Returns the best plan (with ``predicted_step_time_s``, its layout and the alternatives
     filled in) and the candidates simulated, best first. Raises ``PartitionError`` naming the
     world that would fit.
@@ -221,7 +222,7 @@ def tune(
     state alone exceed the budget (unless nothing fits: the error then names the leanest).
     """
     candidates: list[Candidate] = []
-    plans: dict[tuple[int, int, bool | str | int, int, int], Plan | None] = {}
+    plans: dict[tuple[int, int, bool | str | int, int, int, bool], Plan | None] = {}
     queued: list[tuple[float, int, Plan, Layout]] = []
     for tp, ranks in ((t, r) for t in tensor_parallel_sizes if world_size % t == 0
                       for r in _divisors(world_size // t)):
@@ -237,24 +238,26 @@ def tune(
             stages = ranks * kind.stages_per_rank
             if (ranks == 1 and stages > 1) or stages > num_ops or (num_stages is not None and stages != num_stages):
                 continue
-            for sharding, group in ((s, g) for s in shardings
-                                    for g in ((None,) if s == "none" else shard_groups(replicas, ranks * tp))):
+            for sharding, group, sp in ((s, g, sp) for s in shardings
+                                        for g in ((None,) if s == "none" else shard_groups(replicas, ranks * tp))
+                                        for sp in sequence_parallel(tp)):
                 if sharding != "none" and (replicas == 1 or kind.splits_backward):
                     continue
                 layout = Layout(schedule=name, num_stages=stages, pipeline_ranks=ranks, data_parallel_size=replicas,
                                 tensor_parallel_size=tp, sharding=sharding,
-                                shard_group_size=None if group in (None, replicas) else group)
+                                shard_group_size=None if group in (None, replicas) else group, sequence_parallel=sp)
                 for again in recompute:
                     for m in _microbatch_choices(batch // replicas, ranks, num_microbatches, stages,
                                                  options.max_simulated_actions):
                         if kind.microbatch_multiple and m % ranks:
                             continue
                         # priced at this micro-batch size: an op whose tensors fit the cache at m runs faster
-                        key = (stages, replicas, again, m, tp)
+                        key = (stages, replicas, again, m, tp, sp)
                         if key not in plans:
                             try:  # memory is checked per layout below, so this cut ignores the budget
                                 cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
-                                             data_parallel_size=replicas, tensor_parallel_size=tp)
+                                             data_parallel_size=replicas, tensor_parallel_size=tp,
+                                             sequence_parallel=sp)
                                 plans[key] = partition_for(cut, m, False, again)
                             except PartitionError:
                                 plans[key] = None
@@ -318,10 +321,11 @@ def tune(
     # predictions closer than the model can tell apart are a tie: take whole replicas if one is
     # among them (sharding hands the user DTensor shards and adds collectives, for memory the
     # tie says is not needed), then the fewest tensor-parallel ranks (fewer collectives the model
-    # cannot see overlap or contend), then the one holding least memory
+    # cannot see overlap or contend), then without sequence parallelism (half the collectives
+    # of the same bytes), then the one holding least memory
     near = [c for c in fitting if c.step_time_s <= fitting[0].step_time_s * (1 + options.tie)]
-    best = min(near, key=lambda c: (c.layout.sharded, c.layout.tensor_parallel_size, c.peak_memory_bytes,
-                                    c.step_time_s))
+    best = min(near, key=lambda c: (c.layout.sharded, c.layout.tensor_parallel_size, c.layout.sequence_parallel,
+                                    c.peak_memory_bytes, c.step_time_s))
     fitting.remove(best)
     fitting.insert(0, best)
     final = partition_for(best.layout, best.num_microbatches, True, best.recompute)
