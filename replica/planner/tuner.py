@@ -269,6 +269,7 @@ def tune(
     # whose list-scheduled orders take seconds at hundreds of stages: each in bound order
     queued.sort(key=lambda q: (q[3].kind.splits_backward, q[0], q[1]))
     times: list[float] = []  # of the fitting candidates, sorted
+    timed: set[tuple[Layout, int]] = set()
     heavy: list[tuple[Plan, Layout]] = []
     for bound, _, plan, layout in queued:
         if not times:
@@ -284,7 +285,8 @@ def tune(
         found = _evaluate(plan, layout, device, memory_budget, lay_out)
         if found is not None:
             candidates.append(found)
-            if found.fits:
+            if found.fits and (layout, found.num_microbatches) not in timed:  # one time per layout and m,
+                timed.add((layout, found.num_microbatches))  # whichever recompute mode it is priced in
                 bisect.insort(times, found.step_time_s)
     if not times:  # nothing fits: the error names the leanest of all
         for plan, layout in heavy:
@@ -331,7 +333,11 @@ def tune(
     final = partition_for(best.layout, best.num_microbatches, True, best.recompute)
     again = _evaluate(final, best.layout, device, memory_budget, lay_out)
     step = again.step_time_s if again is not None else best.step_time_s
-    alternatives = tuple((c.describe(), c.step_time_s) for c in fitting[1:6])
+    # the next best layouts: each (layout, micro-batches) once, in its fastest recompute mode
+    named = {(best.layout, best.num_microbatches)}
+    others = [c for c in fitting[1:] if (c.layout, c.num_microbatches) not in named
+              and not named.add((c.layout, c.num_microbatches))]
+    alternatives = tuple((c.describe(), c.step_time_s) for c in others[:5])
     plan = dataclasses.replace(final, layout=best.layout, predicted_step_time_s=step, alternatives=alternatives,
                                simulated_bubble=again.bubble if again is not None else final.simulated_bubble)
     return plan, fitting + sorted((c for c in candidates if not c.fits), key=step_time)
