@@ -329,6 +329,9 @@ class CostModel:
     batch_fraction: float = 1.0
     measured_fraction: float = 1.0
     tensor_parallel: TensorParallelCosts | None = None
+    # (id(node), num_calls, backward) -> (node, seconds): an op priced once per call count (the
+    # planner's search prices the same ops for every cut; the node is held so its id stays its own)
+    _times: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _share(self, node: Node) -> float:
         """The share of ``node``'s work one rank does: ``1 / size`` for an op computing on shards."""
@@ -390,6 +393,14 @@ class CostModel:
         into ``num_calls`` micro-batches."""
         if node.kind != "op":
             return 0.0
+        known = self._times.get((id(node), num_calls, False))
+        if known is not None and known[0] is node:
+            return known[1]
+        seconds = self._forward_time(node, num_calls)
+        self._times[(id(node), num_calls, False)] = (node, seconds)
+        return seconds
+
+    def _forward_time(self, node: Node, num_calls: int) -> float:
         collective = self.collective_time(node, num_calls) if self.tensor_parallel is not None else 0.0
         if node.name in self.measured:
             t = self.measured[node.name]
@@ -407,6 +418,14 @@ class CostModel:
     def backward_time(self, node: Node, num_calls: int = 1) -> float:
         if node.kind != "op":
             return 0.0
+        known = self._times.get((id(node), num_calls, True))
+        if known is not None and known[0] is node:
+            return known[1]
+        seconds = self._backward_time(node, num_calls)
+        self._times[(id(node), num_calls, True)] = (node, seconds)
+        return seconds
+
+    def _backward_time(self, node: Node, num_calls: int) -> float:
         collective = self.collective_time(node, num_calls, backward=True) if self.tensor_parallel is not None else 0.0
         if node.name in self.measured:
             t = self.measured[node.name]

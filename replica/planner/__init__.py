@@ -67,7 +67,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                            pricing.spec.devices_per_node), r.tensor_parallel_size is not None),
                        shard_groups=lambda replicas, per_replica: r.shard_groups(replicas, per_replica,
                                                                                   pricing.spec.devices_per_node),
-                       options=r.options, **({} if schedules is None else {"schedules": schedules}))
+                       options=r.options, work_for=pricing.work,
+                       **({} if schedules is None else {"schedules": schedules}))
         plan = best
     else:
         t = r.tensor_parallel_fixed() or 1

@@ -102,6 +102,8 @@ class Pricing:
         self._graphs: dict[int, Graph] = {}
         self._tp_costs: dict[int, TensorParallelCosts | None] = {}
         self._cut: dict[int, tuple[ShardedBlock, ...]] = {}
+        self._models: dict[tuple[DeviceSpec, float, int], CostModel] = {}
+        self._work: dict[tuple[int, int, int, bool], float] = {}
         self.graded, self.options = graded, options
         self.batch = microbatch.batch_size(inputs, "example_inputs")
         self.batch_scale = batch_scale
@@ -196,9 +198,29 @@ class Pricing:
         return self._tp_costs[t]
 
     def cost_model(self, spec: DeviceSpec, batch_fraction: float, tensor_parallel_size: int = 1) -> CostModel:
-        return CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
-                         measured_fraction=self.measured_fraction,
-                         tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size))
+        """The cost model of ``spec`` at ``batch_fraction`` for one rank of ``tensor_parallel_size``,
+        made once: it prices each op once per micro-batch count, for every cut the tuner makes."""
+        key = (spec, batch_fraction, tensor_parallel_size)
+        if key not in self._models:
+            self._models[key] = CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
+                                          measured_fraction=self.measured_fraction,
+                                          tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size))
+        return self._models[key]
+
+    def work(self, layout: Layout, num_microbatches: int, recompute: bool) -> float:
+        """Seconds of compute one replica of ``layout`` does in a step at ``num_microbatches``
+        (every op's forward, again under ``recompute``, and backward, on one tensor-parallel rank):
+        what its pipeline ranks share, however it is cut (0 where stages run on different devices)."""
+        if self.devices is not None:
+            return 0.0
+        t, m = layout.tensor_parallel_size, num_microbatches
+        key = (layout.data_parallel_size, t, m, recompute)
+        if key not in self._work:
+            cm = self.cost_model(self.spec, self.batch_fraction(layout), t)
+            again = 2 if recompute else 1
+            self._work[key] = sum(again * cm.forward_time(n, m) + cm.backward_time(n, m)
+                                  for n in self.graph_for(t).op_nodes)
+        return self._work[key]
 
     def memory_model_for(self, layout: Layout, recompute: bool) -> MemoryModel:
         """What a stage of ``layout`` keeps: sharded over its shard group where the layout shards

@@ -114,7 +114,7 @@ def lower_bound(plan: Plan, layout: Layout) -> float:
         bound = sum(forward[:k]) + work
         if k > 0 and not layout.kind.splits_backward:
             bound += share * sum(backward[1:k]) + backward[0] - (1 - share) * backward[k]
-        best = max(best, bound)
+        best = max(best, bound, work)  # a rank does its own work at least
     return best
 
 
@@ -195,6 +195,7 @@ def tune(
     tensor_parallel_sizes: Sequence[int] = (1,),
     shard_groups: Callable[[int, int], Sequence[int]] = lambda replicas, ranks_per_replica: (replicas,),
     options: PlannerOptions = PlannerOptions(),
+    work_for: Callable[[Layout, int, bool], float] | None = None,
 ) -> tuple[Plan, list[Candidate]]:
     """Search the layouts of ``world_size`` devices for the fastest that fits a global ``batch``.
 
@@ -211,9 +212,12 @@ def tune(
     filled in) and the candidates simulated, best first. Raises ``PartitionError`` naming the
     world that would fit.
 
-    Every configuration is cut first, then simulated in the order of its :func:`lower_bound`;
-    those whose bound shows they can neither win (within ``tie``) nor be among the
-    alternatives are not simulated, nor those of a zero-bubble schedule that cannot win
+    Configurations are taken in the order of a bound known before any cut: ``work_for(layout,
+    num_microbatches, recompute)``, the seconds of compute one replica does in a step, over its
+    pipeline ranks (0 where not given). Each is cut only where that bound may still win, then
+    bounded again by its cut's :func:`lower_bound` (never below the first: a rank does its own
+    stages' work); those whose bound shows they can neither win (within ``tie``) nor be among the
+    alternatives are not cut or not simulated, nor those of a zero-bubble schedule that cannot win
     (their orders are the costly ones to make: the alternatives are the next best of those
     simulated) or would not fit by the micro-batches their orders admit
     (:func:`_zero_bubble_floor`), nor replicated ones whose weights, gradients and optimizer
@@ -221,7 +225,7 @@ def tune(
     """
     candidates: list[Candidate] = []
     plans: dict[tuple[int, int, bool, int, int], Plan | None] = {}
-    queued: list[tuple[float, int, Plan, Layout]] = []
+    queued: list[tuple[float, int, tuple[int, int, bool, int, int], Layout]] = []
     for tp, ranks in ((t, r) for t in tensor_parallel_sizes if world_size % t == 0
                       for r in _divisors(world_size // t)):
         if ranks > options.max_pipeline_ranks and num_stages is None:
@@ -248,31 +252,40 @@ def tune(
                                                  options.max_simulated_actions):
                         if kind.microbatch_multiple and m % ranks:
                             continue
+                        # a bound before any cut: the replica's compute shared evenly by its ranks
+                        early = work_for(layout, m, again) / ranks if work_for is not None else 0.0
                         # priced at this micro-batch size: an op whose tensors fit the cache at m runs faster
-                        key = (stages, replicas, again, m, tp)
-                        if key not in plans:
-                            try:  # memory is checked per layout below, so this cut ignores the budget
-                                cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
-                                             data_parallel_size=replicas, tensor_parallel_size=tp)
-                                plans[key] = partition_for(cut, m, False, again)
-                            except PartitionError:
-                                plans[key] = None
-                        plan = plans[key]
-                        if plan is None:
-                            continue
-                        queued.append((lower_bound(plan, layout), len(queued), plan, layout))
+                        queued.append((early, len(queued), (stages, replicas, again, m, tp), layout))
     # the schedules quick to make first (their best sets the bar), then the zero-bubble ones,
-    # whose list-scheduled orders take seconds at hundreds of stages: each in bound order
+    # whose list-scheduled orders take seconds at hundreds of stages: each in the order of its
+    # bound before the cut, and each cut made only where that bound may still win (cuts of
+    # hundreds of stages take a second each)
     queued.sort(key=lambda q: (q[3].kind.splits_backward, q[0], q[1]))
     times: list[float] = []  # of the fitting candidates, sorted
     heavy: list[tuple[Plan, Layout]] = []
-    for bound, _, plan, layout in queued:
+
+    def pruned(bound: float, layout: Layout) -> bool:
         if not times:
-            pass
-        elif layout.kind.splits_backward and bound > times[0] * (1 + options.tie):
-            continue  # a zero-bubble order costs seconds to make: made only where it may win
-        elif bound > max(times[0] * (1 + options.tie), times[KEPT - 1] if len(times) >= KEPT else INF):
-            continue  # neither the best, nor within its tie, nor among the alternatives
+            return False
+        if layout.kind.splits_backward and bound > times[0] * (1 + options.tie):
+            return True  # a zero-bubble order costs seconds to make: made only where it may win
+        # neither the best, nor within its tie, nor among the alternatives
+        return bound > max(times[0] * (1 + options.tie), times[KEPT - 1] if len(times) >= KEPT else INF)
+
+    for early, _, key, layout in queued:
+        if pruned(early, layout):
+            continue
+        if key not in plans:
+            stages, replicas, again, m, tp = key
+            try:  # memory is checked per layout below, so this cut ignores the budget
+                cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
+                             data_parallel_size=replicas, tensor_parallel_size=tp)
+                plans[key] = partition_for(cut, m, False, again)
+            except PartitionError:
+                plans[key] = None
+        plan = plans[key]
+        if plan is None or pruned(lower_bound(plan, layout), layout):
+            continue
         if not layout.sharded and _static_peak(plan, layout) > memory_budget or \
                 layout.kind.splits_backward and _zero_bubble_floor(plan, layout) > memory_budget:
             heavy.append((plan, layout))
