@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -258,9 +259,11 @@ def tune(
                         queued.append((early, len(queued), (stages, replicas, again, m, tp), layout))
     # the schedules quick to make first (their best sets the bar), then the zero-bubble ones,
     # whose list-scheduled orders take seconds at hundreds of stages: each in the order of its
-    # bound before the cut, and each cut made only where that bound may still win (cuts of
-    # hundreds of stages take a second each)
-    queued.sort(key=lambda q: (q[3].kind.splits_backward, q[0], q[1]))
+    # bound, best first. A configuration comes first with its bound before the cut; where that
+    # may still win it is cut (a second each at hundreds of stages) and queued again with its
+    # cut's bound, so the simulations run in the order of the cuts' bounds, as if all were cut
+    heap = [(layout.kind.splits_backward, early, False, i, key, layout) for early, i, key, layout in queued]
+    heapq.heapify(heap)
     times: list[float] = []  # of the fitting candidates, sorted
     heavy: list[tuple[Plan, Layout]] = []
 
@@ -272,8 +275,9 @@ def tune(
         # neither the best, nor within its tie, nor among the alternatives
         return bound > max(times[0] * (1 + options.tie), times[KEPT - 1] if len(times) >= KEPT else INF)
 
-    for early, _, key, layout in queued:
-        if pruned(early, layout):
+    while heap:
+        group, bound, was_cut, i, key, layout = heapq.heappop(heap)
+        if pruned(bound, layout):
             continue
         if key not in plans:
             stages, replicas, again, m, tp = key
@@ -284,7 +288,10 @@ def tune(
             except PartitionError:
                 plans[key] = None
         plan = plans[key]
-        if plan is None or pruned(lower_bound(plan, layout), layout):
+        if plan is None:
+            continue
+        if not was_cut:
+            heapq.heappush(heap, (group, lower_bound(plan, layout), True, i, key, layout))
             continue
         if not layout.sharded and _static_peak(plan, layout) > memory_budget or \
                 layout.kind.splits_backward and _zero_bubble_floor(plan, layout) > memory_budget:
