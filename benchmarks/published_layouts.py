@@ -16,10 +16,20 @@ memory budget and the predicted memory is printed for what it is.
 Then ``replica.plan`` picks the layout itself (``sharded_data_parallel=None``) for a Llama-2-7B
 (Hugging Face LlamaForCausalLM built on meta) on 8 A100-80GB at a global batch of 8 × 4096.
 
-The last column prices each run again at 240 TF/s of bf16 (the rate the published hardware-FLOPs
-utilisation shows sustained) instead of the preset's 190: what the preset's matmul rate costs.
+The last column prices each run again at the A100 preset's old bf16 rate, 190 TF/s, before these
+rows fitted it (250 TF/s; benchmarks/RESULTS.md, "A100 matmul rate").
 
-Usage: ``python benchmarks/published_layouts.py`` (about a minute on a 2-core machine).
+``--source torchtitan`` prices torchtitan's published H100 rows instead
+(pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``, Llama 3.1 in bf16, Hugging
+Face's LlamaForCausalLM on meta with torchtitan's shapes): 8B FSDP on 8 and 128 GPUs, 70B FSDP x
+TP8 on 256, 405B FSDP8 x TP8 x PP8 on 512 (1F1B and interleaved), each with its published local
+batch, 8192-token sequences and activation checkpointing, on the ``h100-80gb`` preset; predicted
+tokens/s per GPU beside the published figure. The 70B and 405B rows were published only with
+float8 linears (and torch.compile, AsyncTP): their bf16 reference is the figure over the gain
+float8 gave the 8B (Table 1, x1.28). Then the tuner's own layout for each model and world
+(``--no-free`` leaves it out: it plans each model's whole search).
+
+Usage: ``python benchmarks/published_layouts.py [--source llm-foundry|torchtitan|all] [--no-free]``.
 """
 
 from __future__ import annotations
@@ -40,9 +50,9 @@ from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from replica.partition.cost import PRESETS  # noqa: E402
 
 A100_PEAK = 312e12  # the README's GPU_AVAILABLE_FLOPS for an A100 in bf16
-# the bf16 rate the table's hardware-FLOPs utilisation shows sustained (up to 77% of 312 TF/s
-# counting only matmuls), beside the preset's 190 TF/s (61%): the MFU the model predicts at it
-SUSTAINED = dataclasses.replace(PRESETS["a100-80gb"], name="a100-80gb-240tf", half_flops=240e12)
+# the preset's matmul rates before they were fitted on this table (190 bf16 / 95 TF32 TF/s, 61%):
+# the MFU the model predicted at them
+BEFORE = dataclasses.replace(PRESETS["a100-80gb"], name="a100-80gb-190tf", half_flops=190e12, flops=95e12)
 VOCAB = 50368
 
 
@@ -233,7 +243,7 @@ def torchtitan(device: replica.DeviceSpec | str = "h100-80gb", free: bool = True
 def llm_foundry() -> None:
     """LLM Foundry's A100 rows, and the tuner's layout for Llama-2-7B."""
     print("| model | seq | GPUs | micro-batch x accum. | checkpointing | published MFU | predicted MFU "
-          "| predicted / published | step | collectives (exposed) | predicted memory | MFU at 240 TF/s (ratio) |")
+          "| predicted / published | step | collectives (exposed) | predicted memory | MFU at 190 TF/s (ratio) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for run in PUBLISHED:
         plan, num_params = price(run)
@@ -242,13 +252,13 @@ def llm_foundry() -> None:
         mfu = run.mfu_of(plan.predicted_step_time_s, num_params)
         memory = max(s.predicted_memory_bytes for s in plan.stages) / 2**30
         ratio = mfu / run.mfu
-        sustained = run.mfu_of(price(run, SUSTAINED)[0].predicted_step_time_s, num_params)
+        before = run.mfu_of(price(run, BEFORE)[0].predicted_step_time_s, num_params)
         print(f"| {run.name} | {run.seq_len} | {run.gpus} | {run.microbatch} x {run.accumulation} "
               f"| {'yes' if run.checkpointing else 'no'} | {run.mfu:.1%} | {mfu:.1%} | {ratio:.2f}"
               f"{'' if abs(ratio - 1) <= 0.2 else ' (outside ±20%)'} | {plan.predicted_step_time_s:.2f} s "
               f"| {plan.collective_s:.2f} s ({plan.exposed_collective_s * 1e3:.0f} ms) "
               f"| {memory:.0f} GiB{'' if memory <= 80 else ' (over 80)'} "
-              f"| {sustained:.1%} ({sustained / run.mfu:.2f}) |")
+              f"| {before:.1%} ({before / run.mfu:.2f}) |")
     plan = llama2_7b()
     per_device = plan.model_flops / plan.predicted_step_time_s / plan.layout.world_size
     print(f"\nLlama-2-7B, 8 x A100-80GB, global batch 8 x 4096, sharded_data_parallel=None: "
