@@ -55,8 +55,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     if r.tuning:
         world = r.world_size if r.world_size is not None else (r.num_stages or 1)
         schedules = None if r.schedule == "auto" else (r.schedule,)
-        best, _ = tune(lambda layout, m, within, again: pricing.partition_for(layout, m, within_budget=within,
-                                                                                recompute=again, simulated=within),
+        best, _ = tune(lambda layout, m, within, again, like=None: pricing.partition_for(
+                           layout, m, within_budget=within, recompute=again, simulated=within, like=like),
                        lambda plan, layout, schedule: pricing.collectives(pricing.reshard(plan, layout), layout,
                                                                           schedule),
                        world_size=world, batch=pricing.global_batch, num_ops=len(traced.graph.op_nodes),

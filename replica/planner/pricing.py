@@ -104,6 +104,7 @@ class Pricing:
         self._cut: dict[int, tuple[ShardedBlock, ...]] = {}
         self._models: dict[tuple[DeviceSpec, float, int], CostModel] = {}
         self._work: dict[tuple[int, int, int, bool], float] = {}
+        self._positions: dict[int, dict[str, int]] = {}
         self.graded, self.options = graded, options
         self.batch = microbatch.batch_size(inputs, "example_inputs")
         self.batch_scale = batch_scale
@@ -267,13 +268,23 @@ class Pricing:
                 extra[r] = max(extra.get(r, 0.0), st.activation_bytes / plan.num_microbatches)
         return all(held[r] + extra.get(r, 0.0) <= self.budget_per_device() for r in held)
 
+    def _bounds_of(self, plan: Plan, tensor_parallel_size: int) -> list[int]:
+        """The node positions ``plan``'s stages start at, in the graph it was cut from."""
+        graph = self.graph_for(tensor_parallel_size)
+        if tensor_parallel_size not in self._positions:
+            self._positions[tensor_parallel_size] = {n.name: i for i, n in enumerate(graph.nodes)}
+        index = self._positions[tensor_parallel_size]
+        return [0, *(index[st.node_names[0]] for st in plan.stages[1:]), len(graph.nodes)]
+
     def partition_for(self, layout: Layout, num_microbatches: int, *, within_budget: bool = True,
-                      recompute: bool = False, simulated: bool = True) -> Plan:
+                      recompute: bool = False, simulated: bool = True, like: Plan | None = None) -> Plan:
         """The plan of ``layout`` with ``num_microbatches`` micro-batches per replica, priced
         at each replica's share of the batch (even micro-batches, nothing rebuilt: see
         :func:`replica.planner.refine.finish`). ``simulated=False`` leaves out the step's
         simulation and the replicas' collectives (``predicted_step_time_s`` stays the cut's
-        estimate): the tuner's cuts, which it simulates in each layout itself."""
+        estimate): the tuner's cuts, which it simulates in each layout itself. ``like``: a plan
+        of as many stages whose cuts to keep (priced again, not solved again: the tuner's cut of
+        the same stages at another micro-batch count)."""
         m = num_microbatches
         replicas = layout.data_parallel_size
         share = self.global_batch // replicas
@@ -299,7 +310,8 @@ class Pricing:
                            schedule=layout.schedule, memory_model=self.memory_model_for(layout, recompute),
                            memory_budget=self.memory_budget if within_budget else None,
                            in_flight=max_in_flight(schedule_data, layout.num_stages),
-                           stage_ranks=[where[k] for k in range(layout.num_stages)], together=together(blocks))
+                           stage_ranks=[where[k] for k in range(layout.num_stages)], together=together(blocks),
+                           bounds=None if like is None else self._bounds_of(like, t))
         result = dataclasses.replace(result, layout=layout, tensor_parallel=blocks,
                                      early_input_grads=not recompute and self._early_fits(result, where))
         if not simulated:

@@ -179,7 +179,7 @@ def _evaluate(plan: Plan, layout: Layout, device: DeviceSpec, budget: float, lay
 
 
 def tune(
-    partition_for: Callable[[Layout, int, bool, bool], Plan],
+    partition_for: Callable[..., Plan],
     lay_out: LayOut,
     *,
     world_size: int,
@@ -200,9 +200,10 @@ def tune(
 ) -> tuple[Plan, list[Candidate]]:
     """Search the layouts of ``world_size`` devices for the fastest that fits a global ``batch``.
 
-    ``partition_for(layout, num_microbatches, within_budget, recompute)`` makes a plan for
+    ``partition_for(layout, num_microbatches, within_budget, recompute[, like])`` makes a plan for
     one replica's share of the batch (of which, where ``within_budget`` is False, only the
-    cut's stages are read: their times and memory); ``lay_out(plan, layout, schedule)`` gives that plan's
+    cut's stages are read: their times and memory; ``like``: a plan whose cuts to keep, given
+    where ``device`` models no cache: the same stages cut at another micro-batch count); ``lay_out(plan, layout, schedule)`` gives that plan's
     memory and collectives in ``layout`` (see :func:`_evaluate`). Both settings of activation
     ``recompute`` given are tried, and each of ``shardings`` (:data:`replica.layout.SHARDINGS`)
     where the layout allows it: more than one replica and a schedule that does not split backward,
@@ -226,6 +227,7 @@ def tune(
     """
     candidates: list[Candidate] = []
     plans: dict[tuple[int, int, bool, int, int], Plan | None] = {}
+    cuts: dict[tuple[int, int, bool, int], Plan] = {}  # the first cut of each (stages, replicas, recompute, tp)
     queued: list[tuple[float, int, tuple[int, int, bool, int, int], Layout]] = []
     for tp, ranks in ((t, r) for t in tensor_parallel_sizes if world_size % t == 0
                       for r in _divisors(world_size // t)):
@@ -281,12 +283,18 @@ def tune(
             continue
         if key not in plans:
             stages, replicas, again, m, tp = key
+            # without a cache model an op's price is linear in the micro-batch count, but for its
+            # launches: the same stages at another count keep their cuts (priced again, not solved)
+            like = cuts.get((stages, replicas, again, tp)) if device.cache_bandwidth <= 0 else None
             try:  # memory is checked per layout below, so this cut ignores the budget
                 cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
                              data_parallel_size=replicas, tensor_parallel_size=tp)
-                plans[key] = partition_for(cut, m, False, again)
+                plans[key] = partition_for(cut, m, False, again) if like is None else \
+                    partition_for(cut, m, False, again, like)
             except PartitionError:
                 plans[key] = None
+            if plans[key] is not None:
+                cuts.setdefault((stages, replicas, again, tp), plans[key])
         plan = plans[key]
         if plan is None:
             continue
