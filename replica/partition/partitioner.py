@@ -140,7 +140,16 @@ def units_in_flight(graph: Graph, memory_model: MemoryModel) -> tuple[float, flo
     """(gathered weights, unsharded gradients) in bytes of the FSDP units a zero3 stage holds
     at once: its root unit (gathered for the whole forward) and two blocks (the one running
     and the one prefetched). Counted on the whole model, the largest block twice and every
-    root parameter: exact for one stage, a little over for a pipeline stage's share."""
+    root parameter: exact for one stage, a little over for a pipeline stage's share. Counted
+    once per graph and memory model (the tuner asks for every cut and layout)."""
+    known = graph.__dict__.setdefault("_units_in_flight", {})
+    key = (memory_model, len(graph.parameters))
+    if key not in known:
+        known[key] = _count_units(graph, memory_model)
+    return known[key]
+
+
+def _count_units(graph: Graph, memory_model: MemoryModel) -> tuple[float, float]:
     gathered: dict[str, float] = {}
     grads: dict[str, float] = {}
     for info in graph.parameters.values():
