@@ -181,14 +181,17 @@ def llama3(flavour: str) -> torch.nn.Module:
 
 
 def price_titan(run: Titan, model: torch.nn.Module, device: replica.DeviceSpec | str = "h100-80gb",
-                free: bool = False) -> replica.Plan:
+                free: bool = False, same_terms: bool = False) -> replica.Plan:
     """``run``'s published layout on ``device`` (FSDP2 zero3 over its data-parallel ranks, its TP
     and PP, full recompute, no memory budget), or with ``free`` the tuner's own choice for the
-    same world and global batch within the preset's memory."""
+    same world and global batch within the preset's memory (``same_terms``: as the forced rows
+    are priced, recompute and no memory budget)."""
     tokens = torch.empty(run.global_batch, TITAN_SEQ, dtype=torch.long, device="meta")
     if free:
+        terms: dict = dict(recompute=True, memory_budget=float("inf")) if same_terms else {}
         return replica.plan(model, (tokens,), world_size=run.gpus, device=device, mixed_precision="bf16",
-                            cost="analytic", schedule="auto", tensor_parallel_size=None, sharded_data_parallel=None)
+                            cost="analytic", schedule="auto", tensor_parallel_size=None, sharded_data_parallel=None,
+                            **terms)
     return replica.plan(model, (tokens,), world_size=run.gpus, num_stages=run.stages,
                         num_microbatches=run.microbatches, schedule=run.schedule, tensor_parallel_size=run.tp,
                         data_parallel_size=run.dp, device=device, mixed_precision="bf16",
@@ -199,9 +202,11 @@ def tokens_per_gpu(run: Titan, plan: replica.Plan) -> float:
     return run.global_batch * TITAN_SEQ / plan.predicted_step_time_s / run.gpus
 
 
-def torchtitan(device: replica.DeviceSpec | str = "h100-80gb", free: bool = True) -> list[str]:
+def torchtitan(device: replica.DeviceSpec | str = "h100-80gb", free: bool = True,
+               same_terms: bool = False) -> list[str]:
     """torchtitan's rows priced on ``device`` beside the published tokens/s per GPU; with ``free``,
-    the tuner's own layout for each flavour and world (``--free``)."""
+    the tuner's own layout for each flavour and world, within the preset's memory or, with
+    ``same_terms``, on the forced rows' terms (recompute, no memory budget)."""
     lines = ["| row | model | GPUs | fsdp x tp x pp | local batch | AC (priced: full) | published TPS/GPU "
              "| bf16 reference | predicted TPS/GPU | predicted / reference | step | collectives (exposed) "
              "| predicted memory |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -230,7 +235,7 @@ def torchtitan(device: replica.DeviceSpec | str = "h100-80gb", free: bool = True
         for (flavour, gpus), forced in best.items():
             run = next(r for r in TITAN if (r.flavour, r.gpus) == (flavour, gpus))
             start = time.perf_counter()
-            plan = price_titan(run, models[flavour], device, free=True)
+            plan = price_titan(run, models[flavour], device, free=True, same_terms=same_terms)
             tps = tokens_per_gpu(run, plan)
             memory = max(s.predicted_memory_bytes for s in plan.stages) / 2**30
             lines.append(f"| {flavour} | {gpus} | {plan.layout.describe()}, {plan.num_microbatches} micro-batches"
@@ -273,13 +278,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", choices=("llm-foundry", "torchtitan", "all"), default="all")
     parser.add_argument("--no-free", action="store_true", help="torchtitan: only the published layouts")
+    parser.add_argument("--same-terms", action="store_true",
+                        help="torchtitan: the tuner's choice priced as the forced rows are (recompute, no budget)")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.source in ("llm-foundry", "all"):
         llm_foundry()
     if args.source in ("torchtitan", "all"):
         print()
-        torchtitan(free=not args.no_free)
+        torchtitan(free=not args.no_free, same_terms=args.same_terms)
     print(f"\n{time.perf_counter() - start:.0f} s")
 
 
