@@ -296,14 +296,14 @@ def test_the_tuner_prefers_fewer_tensor_parallel_ranks_on_a_tie():
 def test_the_lower_bound_never_exceeds_what_the_tuner_simulates(monkeypatch):
     from replica.planner import tuner
 
-    seen, bounds = [], []
+    seen = []  # (the cut's bound, the simulated step, the layout, micro-batches, recompute)
     evaluate = tuner._evaluate
 
     def checked(plan, layout, *args):
         found = evaluate(plan, layout, *args)
         if found is not None:
-            seen.append((lower_bound(plan, layout), found.step_time_s, layout.describe()))
-            bounds.append((lower_bound(plan, layout), plan.num_microbatches, plan.recompute, layout.describe()))
+            seen.append((lower_bound(plan, layout), found.step_time_s, layout.describe(), plan.num_microbatches,
+                         plan.recompute))
         return found
 
     work = Pricing.work
@@ -318,11 +318,10 @@ def test_the_lower_bound_never_exceeds_what_the_tuner_simulates(monkeypatch):
     case = tiny_gpt(32, num_layers=4)
     replica.plan(case.model, case.example_inputs, world_size=8, schedule="auto", device="a100-80gb",
                  cost="analytic")
-    assert len({d for *_, d in seen}) > 5
-    assert all(bound <= step * (1 + 1e-9) for bound, step, _ in seen), [s for s in seen if s[0] > s[1]]
+    assert len({d for _, _, d, _, _ in seen}) > 5
+    assert all(bound <= step * (1 + 1e-9) for bound, step, *_ in seen), [s for s in seen if s[0] > s[1]]
     # the bound before the cut (a replica's work over its ranks) is never above the cut's
-    cut = {(d, m, r): b for b, m, r, d in bounds}
-    assert cut and all(early[k] <= b * (1 + 1e-9) for k, b in cut.items())
+    assert all(early[(d, m, r)] <= bound * (1 + 1e-9) for bound, _, d, m, r in seen)
 
 
 # --- which blocks are cut --------------------------------------------------------------------
