@@ -4,7 +4,8 @@ from replica import defaults
 from replica.amp import GradScaler
 from replica.api import PipelineModel, auto_parallel, plan
 from replica.checkpoint.export import export_safetensors
-from replica.checkpoint.store import CheckpointError, load_into_plain_model
+from replica.checkpoint.store import CheckpointError
+from replica.checkpoint.tensors import load_into_plain_model
 from replica.errors import (
     ConfigError,
     PartitionError,
@@ -18,6 +19,7 @@ from replica.materialize import deferred_init, materialize
 from replica.partition.cost import DeviceSpec
 from replica.partition.plan import Plan
 from replica.planner.options import PlannerOptions
+from replica.process_group import init_process_group
 from replica.runtime.heap import keep_freed_memory
 from replica.train.trainer import Trainer, get_trainer
 from replica.viz.report import visualize
@@ -42,6 +44,7 @@ __all__ = [
     "PipelineModel",
     "DeviceSpec",
     "keep_freed_memory",
+    "init_process_group",
     "ReplicaError",
     "ConfigError",
     "TraceError",

@@ -15,9 +15,10 @@ from replica.partition.plan import Plan
 from replica.partition.trace import Traced, trace
 from replica.pipeline_model import PipelineModel, released
 from replica.planner import make_plan
-from replica.planner.agree import agree_on_plan, distributed, use_the_model_device
+from replica.planner.agree import agree_on_plan, use_the_model_device
 from replica.planner.request import PlanningOptions, PlanRequest, split_planning, with_planning_signature
 from replica.precision import precision_name
+from replica.process_group import ensure_process_group, launched_world_size
 from replica.runtime.local import LossFn
 
 __all__ = ["auto_parallel", "plan", "PipelineModel"]
@@ -40,10 +41,19 @@ def plan(
     """Plan only: trace ``model`` (meta tensors welcome), price it on ``device`` and lay it out
     on ``world_size`` devices (None: one process running every stage, as ``auto_parallel``
     without a process group). ``auto_parallel`` with the same arguments on that world
-    makes the same plan.
+    makes the same plan. Under a launcher (``torchrun``: ``WORLD_SIZE > 1``, or a started process
+    group of several) ``world_size`` None is that world, as ``auto_parallel`` there lays it out.
     """
+    if world_size is None:
+        world_size = _launched_world()
     request = PlanRequest(world_size=world_size, **split_planning(planning, "replica.plan"))
     return make_plan(_trace(model, example_inputs, example_kwargs, request), model, request)
+
+
+def _launched_world() -> int | None:
+    """The world ``auto_parallel`` would run in here: a started group's size, else the launcher's."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else launched_world_size()
+    return world if world > 1 else None
 
 
 def _trace(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None,
@@ -77,6 +87,7 @@ def _planned(given: Plan, name: str) -> Any:
         "num_stages": given.num_stages, "num_microbatches": given.num_microbatches, "schedule": given.schedule,
         "data_parallel_size": given.data_parallel_size, "tensor_parallel_size": layout.tensor_parallel_size,
         "sharded_data_parallel": layout.sharding, "shard_group_size": layout.dp_shard,
+        "sequence_parallel": layout.sequence_parallel,
         "mixed_precision": given.precision,
         "recompute": "pointwise" if given.pointwise_recompute else given.recompute,
     }.get(name)
@@ -140,7 +151,8 @@ def auto_parallel(
     """Trace, plan and split ``model`` into a pipeline, and return it ready to train.
 
     In one process every stage runs here (the reference runtime). Under ``torch.distributed``
-    (``torchrun``, or ``init_process_group``) every rank calls this alike, with the same
+    (``torchrun``; a process group not started yet is started here from the launcher's
+    environment, NCCL for a CUDA model, else gloo) every rank calls this alike, with the same
     inputs: rank 0 plans for the whole world (pipeline ranks × data-parallel replicas),
     every rank checks it traced the same graph, and each keeps only its own stages.
 
@@ -208,7 +220,8 @@ def auto_parallel(
     # the same draw on every rank (rank 0's reaches the others with the plan): the weights are
     # those replica.materialize gives under the same torch.manual_seed, whatever the layout
     seed = int(torch.randint(2**62, ()).item()) if on_meta else None
-    world = dist.get_world_size() if distributed() else 1
+    # under torchrun with no process group yet: start it (never train as one of several independent worlds of 1)
+    world = ensure_process_group("replica.auto_parallel", next(model.parameters()).device, timeout_s=timeout_s)
     planning = split_planning(planning, "replica.auto_parallel")
     if plan is not None:
         _check_given_plan(plan, world, planning)

@@ -60,9 +60,23 @@ def _export(args: argparse.Namespace) -> int:
 
     written = export_safetensors(args.checkpoint, args.out_dir, max_shard_bytes=args.max_shard_size,
                                  overwrite=args.overwrite)
-    print(f"weights written to {written}; add the model's config (config.save_pretrained({str(args.out_dir)!r})) "
-          "to load it with from_pretrained")
+    print(f"exported {_exported_step(written)} to {written}; add the model's config "
+          f"(config.save_pretrained({str(args.out_dir)!r})) to load it with from_pretrained")
     return 0
+
+
+def _exported_step(written: Path) -> str:
+    """``step 12 (checkpoints/step-00000012)``: what the exported file's metadata record."""
+    import json
+
+    from safetensors import safe_open
+
+    if written.suffix == ".json":
+        meta = json.loads(written.read_text()).get("metadata", {})
+    else:
+        with safe_open(str(written), "pt") as f:
+            meta = f.metadata() or {}
+    return f"step {meta.get('replica_step', '?')} ({meta.get('replica_checkpoint', 'a checkpoint')})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -49,12 +49,17 @@ class TrainerConfig(PlanningOptions):
       does. ``device``: a torch device (``"cuda"``, ``"cpu"``) moves the model there and
       prices it as that device; a preset name prices the plan as that machine, the model
       staying where it is. fp16 steps through a :class:`replica.GradScaler`, whose state the
-      checkpoints keep. Checkpoints hold whole tensors, so a run resumes under another layout.
+      checkpoints keep. Checkpoints hold each rank's own shards (torch.distributed.checkpoint),
+      and a run resumes under any other layout.
     - ``batch_size``: samples per optimizer step over all data-parallel replicas;
       ``shuffle``: a new order every epoch, drawn from ``seed`` and the epoch number.
-    - ``checkpoint_dir``: where ``step-XXXXXXXX/`` checkpoints go and resume from;
-      ``checkpoint_every_steps`` (None: at the end of every epoch); ``keep_checkpoints``.
-    - ``log_every_steps``, ``metrics_file`` (JSONL, appended), ``progress`` (a bar on a terminal).
+    - ``checkpoint_dir``: where ``step-XXXXXXXX/`` checkpoints go and resume from, written by
+      one job at a time (``.writer.lock``); ``checkpoint_every_steps`` (None: at the end of every
+      epoch); ``keep_checkpoints``; ``checkpoint_async``: write in the background (DCP's
+      ``async_save``; the next save, or the end of ``train_dataset``, waits for it and publishes it).
+    - ``log_every_steps``, ``metrics_file`` (JSONL, appended), ``progress`` (rank 0 prints the
+      layout and where the weights came from, then a bar on a terminal, elsewhere a line every
+      ``log_every_steps`` steps; an epoch line either way).
     - ``timeout_s``: the longest wait on another rank before a clear error.
     """
 
@@ -63,6 +68,7 @@ class TrainerConfig(PlanningOptions):
     checkpoint_dir: "str | os.PathLike[str] | None" = None
     checkpoint_every_steps: int | None = None
     keep_checkpoints: int = 3
+    checkpoint_async: bool = False
     log_every_steps: int = 10
     metrics_file: "str | os.PathLike[str] | None" = None
     seed: int = 0
@@ -77,6 +83,7 @@ class TrainerConfig(PlanningOptions):
         _count("log_every_steps", self.log_every_steps, optional=False)
         _flag("shuffle", self.shuffle)
         _flag("progress", self.progress)
+        _flag("checkpoint_async", self.checkpoint_async)
         _path("checkpoint_dir", self.checkpoint_dir)
         _path("metrics_file", self.metrics_file)
         if self.batch != "global":

@@ -54,13 +54,15 @@ def run_local(
     threads_per_rank: int = 1,
     allow_dead: bool = False,
     keep_freed_memory: bool = False,
+    grace_s: float = 60.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (spawned, gloo
     on 127.0.0.1, ``threads_per_rank`` torch threads each) and return each rank's result.
 
     ``fn`` and its results must be picklable (a module-level function). A rank that
     raises, dies or outlives ``timeout_s`` makes this raise ``PipelineError`` with
-    every rank's report; no process is left behind. With ``allow_dead`` a rank that died
+    every rank's report; no process is left behind (a rank still running ``grace_s`` after
+    ``timeout_s`` is killed: a hang, not only a stuck collective). With ``allow_dead`` a rank that died
     without a report (killed on purpose by a test) reads as ``None`` instead. With
     ``keep_freed_memory`` each rank first calls :func:`replica.keep_freed_memory` (glibc keeps
     freed memory for the next micro-batch; what the benchmarks measure with).
@@ -76,7 +78,7 @@ def run_local(
     for p in procs:
         p.start()
     reports: dict[int, tuple[str, Any]] = {}
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s + 60)
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s + grace_s)
     try:
         while len(reports) < world_size:
             left = (deadline - datetime.datetime.now()).total_seconds()

@@ -123,6 +123,10 @@ class Layout:
     # copies of their group's shards (FSDP2's 2-D (replicate, shard) mesh). None: every replica
     # is in one shard group (plain FSDP). Only with sharding.
     shard_group_size: int | None = None
+    # Megatron's sequence parallelism: between the blocks tensor parallelism cuts, the norms,
+    # dropouts and residual adds hold 1 / tensor_parallel_size of the tokens (a block's entry
+    # all-gathers them, its exit reduce-scatters). Only with tensor_parallel_size > 1.
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         kind = schedule_kind(self.schedule)
@@ -153,6 +157,13 @@ class Layout:
                     f"shard_group_size={g} does not divide the {d} data-parallel replicas: each shard group holds "
                     f"{g} of them and the groups replicate each other. Use shard_group_size in "
                     f"{[k for k in range(1, d + 1) if d % k == 0]}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ConfigError(
+                "sequence_parallel=True shards the tokens between tensor-parallel blocks across each stage's "
+                "tensor-parallel ranks, but this layout has tensor_parallel_size=1; use tensor_parallel_size > 1 "
+                "(a divisor of the world size), or sequence_parallel=False")
         kind.check_stages(self.num_stages, self.pipeline_ranks)
 
     @property
@@ -194,7 +205,8 @@ class Layout:
         return (f"{self.pipeline_ranks} pipeline x {self.data_parallel_size} data"
                 + (f" ({self.sharding} sharded{hsdp})" if self.sharded else "")
                 + (f" x {self.tensor_parallel_size} tensor" if self.tensor_parallel_size > 1 else "")
-                + f", {self.num_stages} stages, {self.schedule}")
+                + (" (sequence parallel)" if self.sequence_parallel else "")
+                + f", {self.num_stages} stage{'s' if self.num_stages != 1 else ''}, {self.schedule}")
 
     # --- ranks -------------------------------------------------------------------------
     def coordinates(self, rank: int) -> Coordinates:

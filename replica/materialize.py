@@ -181,7 +181,9 @@ def _load(weights: str | os.PathLike[str], modules: Iterable[nn.Module], created
                 tensors[id(t)] = t
     wanted = {group[0]: (tuple(tensors[k].shape), tensors[k].dtype) for k, group in names.items()}
     aliases = {group[0]: tuple(group[1:]) for group in names.values() if len(group) > 1}
-    loaded = read_weights(weights, wanted, aliases=aliases, device=next(iter(tensors.values())).device) \
+    fix = (f"Check that {weights} holds this model's weights, written for the same config (tied weights are "
+           "matched already): a different model or size cannot load them.")
+    loaded = read_weights(weights, wanted, aliases=aliases, device=next(iter(tensors.values())).device, fix=fix) \
         if wanted else {}
     with torch.no_grad():
         for k, group in names.items():

@@ -67,6 +67,7 @@ class PipelineModel:
         self.loss_reduction = loss_reduction
         self.batch = batch  # "global": every rank gets the whole batch, each replica takes its slice
         self.input_spec = traced.inputs
+        self.graph = traced.graph  # what the plan was made from: the report places every op by it
         self._traced_training = traced.training
         self._frozen_mode = frozen_mode_ops(traced.module)
         self.all_stages: list[StageModule] = split(traced, plan)

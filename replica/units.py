@@ -1,8 +1,8 @@
-"""Bytes and seconds as people read them: the one formatter the summary, the report and the Trainer share."""
+"""Bytes, seconds and FLOP rates as people read them: one formatter for the summary, the report and the Trainer."""
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "format_seconds"]
+__all__ = ["format_bytes", "format_seconds", "format_flop_rate"]
 
 
 def format_bytes(n: float, spec: str = ".3g") -> str:
@@ -26,3 +26,15 @@ def format_seconds(s: float, spec: str = ".3g") -> str:
     if s >= 1e-3:
         return f"{s * 1e3:{spec}} ms"
     return f"{s * 1e6:.0f} µs" if spec.endswith("f") else f"{s * 1e6:{spec}} µs"
+
+
+def format_flop_rate(flops_per_s: float, spec: str = ".3g") -> str:
+    """``flops_per_s`` in the largest of FLOP/s, kFLOP/s, MFLOP/s, GFLOP/s, TFLOP/s, PFLOP/s that keeps it
+    at 1 or more (``"31.4 GFLOP/s"``, never ``"0.0 TFLOP/s"``)."""
+    if flops_per_s == 0:
+        return "0 FLOP/s"
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6),
+                        ("kFLOP/s", 1e3)):
+        if abs(flops_per_s) >= scale:
+            return f"{flops_per_s / scale:{spec}} {unit}"
+    return f"{flops_per_s:{spec}} FLOP/s"

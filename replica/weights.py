@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from replica.checkpoint import store as ckpt
+from replica.checkpoint.tensors import StoredWeights
 from replica.errors import ConfigError, ReplicaError
 
 __all__ = ["WeightsError", "read_weights", "wanted_from", "write_safetensors"]
@@ -76,17 +77,18 @@ class _Safetensors:
         return tensor
 
 
-class _Tensors:
-    """A Replica checkpoint's ``model-*.pt`` shards, memory-mapped: a tensor's bytes are read when copied."""
+class _Stored:
+    """A Replica checkpoint's weights: names and shapes from its index, each tensor read when asked for."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], description: str) -> None:
-        self.where, self.description = tensors, description
+    def __init__(self, stored: StoredWeights, description: str) -> None:
+        self.stored, self.description = stored, description
+        self.where = stored.specs
 
     def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype | None]:
-        return tuple(self.where[name].shape), self.where[name].dtype
+        return self.stored.specs[name]
 
     def read(self, name: str) -> torch.Tensor:
-        return self.where[name]
+        return self.stored.read(name)
 
 
 def _index(index: Path, files: ExitStack) -> _Safetensors:
@@ -103,37 +105,29 @@ def _index(index: Path, files: ExitStack) -> _Safetensors:
     return _Safetensors(where, files, f"sharded safetensors index {index} ({len(set(where.values()))} shards)")
 
 
-def _replica(path: Path) -> _Tensors:
+def _replica(path: Path) -> _Stored:
     """The newest complete step under a checkpoint_dir (or a step directory itself): manifest present and
-    every model shard of the size it records. Checksums are not taken: that would read every byte."""
+    every file of the size it records. Checksums are not taken: that would read every byte."""
     steps = [path] if (path / ckpt.MANIFEST).exists() or _STEP.match(path.name) else ckpt.checkpoints(path)
     problems = []
     for step in reversed(steps):
         try:
             manifest = ckpt.read_manifest(step)
-            files = sorted(n for n in manifest["files"] if n.startswith("model-"))
+            files = sorted(manifest["files"])
             wrong = [n for n in files if not (step / n).is_file()
                      or (step / n).stat().st_size != manifest["files"][n]["bytes"]]
             if wrong or not files:
-                raise ckpt.CheckpointError(f"{step}: model shards {wrong or files} are missing or truncated")
+                raise ckpt.CheckpointError(f"{step}: files {wrong or files} are missing or truncated")
+            stored = StoredWeights(step)
         except ckpt.CheckpointError as exc:
             problems.append(str(exc))
             continue
-        tensors: dict[str, torch.Tensor] = {}
-        for name in files:
-            try:
-                shard = torch.load(step / name, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:  # unpickling errors, truncated zip files
-                raise WeightsError(f"{step / name} cannot be read ({type(exc).__name__}: {exc}); "
-                                   "read an older step directory") from None
-            for key, value in shard.items():
-                tensors.setdefault(key, value)
-        return _Tensors(tensors, f"Replica checkpoint {step} ({len(files)} model shards)")
+        return _Stored(stored, f"Replica checkpoint {step} ({len(stored.specs)} tensors)")
     raise WeightsError(f"no complete Replica checkpoint in {path}: {'; '.join(problems)}; pass a checkpoint_dir "
                        "the trainer wrote, or one of its complete step-XXXXXXXX directories")
 
 
-def _source(path: Path, files: ExitStack) -> _Safetensors | _Tensors:
+def _source(path: Path, files: ExitStack) -> _Safetensors | _Stored:
     """What ``path`` is: a file, a Replica checkpoint, or a directory ``save_pretrained`` wrote."""
     if not path.exists():
         raise WeightsError(f"{path} does not exist; pass a .safetensors file, a directory save_pretrained wrote, "
@@ -192,7 +186,7 @@ def _check(wanted: Wanted) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 def read_weights(path: str | os.PathLike[str], wanted: Wanted, *, aliases: Mapping[str, Sequence[str]] = {},
                  all_names: Iterable[str] | None = None, strict_unexpected: bool = False,
-                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                 device: torch.device | str = "cpu", fix: str | None = None) -> dict[str, torch.Tensor]:
     """Read the tensors named in ``wanted`` (state_dict names -> (shape, dtype)) from ``path``, and no others.
 
     ``path``: a ``.safetensors`` file or ``*.safetensors.index.json``; a directory ``save_pretrained``
@@ -205,7 +199,8 @@ def read_weights(path: str | os.PathLike[str], wanted: Wanted, *, aliases: Mappi
     With ``strict_unexpected``, a stored name that none of ``all_names`` (the whole model's names;
     default ``wanted``'s) matches is an error: the checkpoint is of another model.
     Raises :class:`WeightsError` before reading any tensor, listing every missing name (with the
-    closest stored names), mis-shaped or mis-typed name and unexpected name at once.
+    closest stored names), mis-shaped or mis-typed name and unexpected name at once, then ``fix``
+    (default: check the model and config, pass ``aliases=`` and ``all_names=``).
     """
     wanted = _check(wanted)
     groups: dict[str, set[str]] = {}
@@ -241,9 +236,9 @@ def read_weights(path: str | os.PathLike[str], wanted: Wanted, *, aliases: Mappi
                      _listing("unexpected (stored, but the model has no such name)", unexpected)]
             raise WeightsError(
                 f"{source.description} ({len(stored)} tensors, names matched {how}) does not fit the "
-                f"{len(wanted)} wanted weights:\n" + "\n".join(p for p in parts if not p.startswith("  0 ")) +
-                "\nCheck that the checkpoint is of this model and config; pass aliases= for tied weights "
-                "(e.g. {'transformer.wte.weight': ('lm_head.weight',)}) and all_names= the whole model's names."
+                f"{len(wanted)} wanted weights:\n" + "\n".join(p for p in parts if not p.startswith("  0 ")) + "\n" +
+                (fix or "Check that the checkpoint is of this model and config; pass aliases= for tied weights "
+                 "(e.g. {'transformer.wte.weight': ('lm_head.weight',)}) and all_names= the whole model's names.")
             )
         out: dict[str, torch.Tensor] = {}
         read: dict[tuple[str, torch.dtype], torch.Tensor] = {}
@@ -256,7 +251,8 @@ def read_weights(path: str | os.PathLike[str], wanted: Wanted, *, aliases: Mappi
 
 
 def write_safetensors(file: str | os.PathLike[str], tensors: Sequence[tuple[str, torch.Tensor]],
-                      metadata: Mapping[str, str] | None = None) -> int:
+                      metadata: Mapping[str, str] | None = None,
+                      read: Callable[[str], torch.Tensor] | None = None) -> int:
     """Write ``tensors`` (name, tensor) to ``file`` in the safetensors format, one tensor at a time;
     returns the bytes of tensor data written.
 
@@ -265,7 +261,9 @@ def write_safetensors(file: str | os.PathLike[str], tensors: Sequence[tuple[str,
     header is the format's own (8-byte little-endian length, JSON with dtype, shape and offsets,
     padded to 8 bytes); each tensor's bytes are copied from its (memory-mapped) storage as written.
     The file is opened with ``safetensors.safe_open`` after, which checks the header.
-    Shared storage is written once per name: the caller drops tied duplicates.
+    Shared storage is written once per name: the caller drops tied duplicates. With ``read``,
+    ``tensors`` may be meta tensors (shape and dtype only) and each one's bytes come from
+    ``read(name)`` as it is written, so only one tensor is in memory at a time.
     """
     if sys.byteorder != "little":  # the format is little-endian; tensors are written as they lie in memory
         raise WeightsError("write_safetensors writes tensors as they lie in memory, which is only the safetensors "
@@ -276,7 +274,7 @@ def write_safetensors(file: str | os.PathLike[str], tensors: Sequence[tuple[str,
         if name in header:
             raise WeightsError(f"write_safetensors: {name!r} is given twice; each name once")
         code = _SAFETENSORS_CODES.get(t.dtype)
-        if code is None or t.layout != torch.strided or t.is_meta:
+        if code is None or t.layout != torch.strided or (t.is_meta and read is None):
             raise WeightsError(f"{name} is a {t.layout} {t.dtype} tensor on {t.device}, which safetensors cannot "
                                f"store; it stores dense tensors of {sorted(map(str, _SAFETENSORS_CODES))}")
         size = t.numel() * t.element_size()
@@ -287,9 +285,10 @@ def write_safetensors(file: str | os.PathLike[str], tensors: Sequence[tuple[str,
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for _, t in tensors:
+        for name, t in tensors:
             if t.numel():
-                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                data = t if read is None else read(name)
+                f.write(data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
         f.flush()
         os.fsync(f.fileno())
     with safe_open(str(file), framework="pt") as check:  # the header parses and covers every byte

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import replica
+from examples.cifar10.model import CifarCNN
 from replica.checkpoint import store as ckpt
-from replica.checkpoint.store import CheckpointError, load_into_plain_model
+from replica.checkpoint.store import CheckpointError
+from replica.checkpoint.tensors import load_into_plain_model
 from replica.train.rng import rng_state, set_rng_state
 from tests.train_cases import (
     ACROSS_LAYOUTS,
@@ -48,19 +51,36 @@ def test_the_checkpoint_is_complete_checksummed_and_keyed_by_name(tmp_path: Path
     trainer = run(tmp_path, stop_at=2)
     path = tmp_path / "step-00000002"
     manifest = json.loads((path / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"model-00000-of-00001.pt", "optim-00000-of-00001.pt", "rng-00000-of-00001.pt"}
-    assert manifest["step"] == 2 and manifest["num_shards"] == 1
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "rank-00000.pt", "trainer.pt"}
+    assert manifest["step"] == 2 and manifest["world_size"] == 1 and manifest["format"] == 2
     assert manifest["trainer"] | {"layout": None} == {
         "step": 2, "epoch": 0, "batch": 2, "call": 0, "call_start_epoch": 0, "batch_size": 32, "shuffle": True,
         "seed": 0, "num_samples": 100, "layout": None}
     assert ckpt.verify(path) is None
-    # the weights file is a plain state_dict of the model, the optimizer state is keyed by parameter name
+    # torch.distributed.checkpoint alone loads the weights into the plain model's state_dict, original names
     plain = small_cnn()
-    plain.load_state_dict(torch.load(path / "model-00000-of-00001.pt", weights_only=True))
+    state = plain.state_dict()
+    with ckpt.single_process_quietly():
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    plain.load_state_dict(state)
     assert_same_weights(weights(plain), weights(trainer.model))
-    optim = torch.load(path / "optim-00000-of-00001.pt", weights_only=True)
-    assert set(optim["state"]) == {n for n, _ in trainer.model.named_parameters()}
-    assert optim["param_groups"][0]["lr"] == 1e-2 and "features.0.weight" in optim["param_groups"][0]["params"]
+    # the optimizer state is keyed by parameter name, its hyper-parameters too
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    names = {n for n, _ in trainer.model.named_parameters()}
+    assert {k for k in stored if k.startswith("optimizer.state.")} == {
+        f"optimizer.state.{n}.{k}" for n in names for k in ("step", "exp_avg", "exp_avg_sq")}
+    extras = torch.load(path / "trainer.pt", weights_only=True)
+    assert extras[0]["param_groups"][0]["lr"] == 1e-2 and "features.0.weight" in extras[0]["param_groups"][0]["params"]
+
+
+def test_an_asynchronous_save_is_published_by_the_next_save_and_resumes_exactly(tmp_path: Path,
+                                                                                uninterrupted) -> None:
+    run(tmp_path, stop_at=7, checkpoint_async=True)  # dies with step 6 in flight: published by then is step 4
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-00000002", "step-00000004"]
+    resumed = run(tmp_path, checkpoint_async=True)
+    assert resumed.resumed_from.name == "step-00000004"
+    assert_same_weights(weights(resumed.model), uninterrupted)
+    assert ckpt.verify(tmp_path / "step-00000009") is None, "train_dataset returns with its last save published"
 
 
 def test_load_into_plain_model_takes_a_directory_or_a_step(tmp_path: Path) -> None:
@@ -69,8 +89,12 @@ def test_load_into_plain_model_takes_a_directory_or_a_step(tmp_path: Path) -> No
     assert_same_weights(weights(newest), weights(trainer.model))
     older = load_into_plain_model(tmp_path / "step-00000006", small_cnn())
     assert not torch.equal(older.classifier[-1].weight, newest.classifier[-1].weight)
-    with pytest.raises(CheckpointError, match="does not fit Linear"):
+    with pytest.raises(CheckpointError, match=r"another model: .* 2 missing \(first: weight, bias\)"):
         load_into_plain_model(tmp_path, torch.nn.Linear(2, 2))
+    wider = CifarCNN(channels=(8, 16), hidden=64, image_size=16)
+    with pytest.raises(CheckpointError,
+                       match=r"another model: .* 3 mis-shaped \(first: classifier.1.weight \(32, 256\) where"):
+        load_into_plain_model(tmp_path, wider)
     with pytest.raises(CheckpointError, match=r"no complete checkpoint in .* \(0 step-XXXXXXXX"):
         load_into_plain_model(tmp_path / "nothing-here", small_cnn())
 
@@ -93,11 +117,11 @@ def _flip_a_byte(file: Path) -> None:
 
 
 @pytest.mark.parametrize(("damage", "problem"), [
-    (lambda p: _flip_a_byte(p / "model-00000-of-00001.pt"), "fails its sha256 checksum"),
-    (lambda p: (p / "optim-00000-of-00001.pt").unlink(), "optim-00000-of-00001.pt is missing"),
+    (lambda p: _flip_a_byte(p / "__0_0.distcp"), "fails its sha256 checksum"),
+    (lambda p: (p / ".metadata").unlink(), ".metadata is missing"),
     (lambda p: (p / "manifest.json").unlink(), "has no manifest.json"),
     (lambda p: (p / "manifest.json").write_text("{not json"), "manifest.json is unreadable"),
-    (lambda p: (p / "rng-00000-of-00001.pt").write_bytes(b"short"), "has 5 bytes, the manifest says"),
+    (lambda p: (p / "rank-00000.pt").write_bytes(b"short"), "has 5 bytes, the manifest says"),
 ])
 def test_a_corrupt_checkpoint_is_skipped_with_a_warning(tmp_path: Path, uninterrupted, damage, problem) -> None:
     run(tmp_path, stop_at=7)
@@ -127,12 +151,57 @@ def test_a_failed_write_leaves_no_checkpoint_and_raises(tmp_path: Path, monkeypa
     real_save = torch.save
 
     def full_disk(obj, f, *args, **kwargs):
-        if isinstance(obj, dict) and "param_groups" in obj:
+        if isinstance(obj, torch.Tensor):  # DCP writes each tensor with torch.save
             raise OSError(28, "No space left on device")
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(CheckpointError, match="shard 0 of 1 could not be written .* No space left"):
+    with pytest.raises(CheckpointError, match=r"rank 0 could not write its shards to .*\.tmp-step-00000004"):
+        run(tmp_path)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-00000002"]
+    assert ckpt.verify(tmp_path / "step-00000002") is None
+
+
+_KILLED_MID_SAVE = """
+import os, sys, torch
+from tests.train_cases import run
+real_save = torch.save
+def killed(obj, f, *args, **kwargs):
+    if isinstance(obj, torch.Tensor) and os.path.isdir(os.path.join(sys.argv[1], ".tmp-step-00000004")):
+        os._exit(9)  # the process dies with DCP's files half written
+    return real_save(obj, f, *args, **kwargs)
+torch.save = killed
+run(sys.argv[1], model_seed=0)  # the uninterrupted run's model
+"""
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_to_resume(tmp_path: Path, uninterrupted) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    died = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, str(tmp_path)], env=env, capture_output=True)
+    assert died.returncode == 9, died.stderr.decode()[-2000:]
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-00000002"]
+    assert (tmp_path / ".tmp-step-00000004").is_dir(), "the half-written step is never published"
+    resumed = run(tmp_path)
+    assert resumed.resumed_from.name == "step-00000002"
+    assert_same_weights(weights(resumed.model), uninterrupted)
+
+
+def test_a_read_only_directory_is_an_error_naming_it_and_the_last_checkpoint_stays(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    run(tmp_path, stop_at=3)
+    real_mkdir = Path.mkdir
+
+    def read_only(self: Path, *args, **kwargs):  # as chmod 555 does for a user who is not root
+        if self.name.startswith(".tmp-step"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(CheckpointError, match=f"cannot write checkpoint step 4 into {tmp_path}: .*Permission denied"):
         run(tmp_path)
     assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-00000002"]
     assert ckpt.verify(tmp_path / "step-00000002") is None
@@ -189,16 +258,57 @@ def test_resuming_with_other_data_settings_is_refused(tmp_path: Path) -> None:
         trainer.train_dataset(*DATA, epochs=1)
 
 
-def test_files_are_read_with_weights_only(tmp_path: Path) -> None:
-    run(tmp_path, stop_at=3)
-    path = tmp_path / "step-00000002"
-    torch.save({"weights": Path("not a tensor")}, path / "model-00000-of-00001.pt")  # an arbitrary object
+def _forge_checksums(path: Path) -> None:
     manifest = json.loads((path / "manifest.json").read_text())
-    for name, info in manifest["files"].items():  # forge the checksums so only weights_only can object
+    for name, info in manifest["files"].items():  # so that only the reader can object
         info.update(sha256=ckpt._sha256(path / name), bytes=(path / name).stat().st_size)
     (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+class _Payload:
+    def __reduce__(self):
+        return (Path.touch, (Path(__file__).with_name("PWNED-by-a-checkpoint"),))
+
+
+def test_files_are_read_with_weights_only_and_a_forged_index_is_refused(tmp_path: Path) -> None:
+    import pickle
+
+    run(tmp_path, stop_at=3)
+    path = tmp_path / "step-00000002"
+    torch.save({"torch": Path("not a tensor")}, path / "rank-00000.pt")  # an arbitrary object
+    _forge_checksums(path)
     with pytest.raises(CheckpointError, match="cannot be read .*Weights only load failed"):
-        load_into_plain_model(path, small_cnn())
+        run(tmp_path)
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload()))  # DCP would run it: pickle.load
+    _forge_checksums(path)
+    for read in (lambda: run(tmp_path), lambda: load_into_plain_model(path, small_cnn()),
+                 lambda: replica.export_safetensors(path, tmp_path / "hf")):
+        with pytest.raises(CheckpointError, match=r"\.metadata cannot be read .*pathlib.Path.touch is not something"):
+            read()
+    assert not Path(__file__).with_name("PWNED-by-a-checkpoint").exists()
+
+
+def test_a_format_1_checkpoint_still_resumes_read_only(tmp_path: Path, uninterrupted) -> None:
+    """Written as before DCP (whole tensors per pipeline rank, torch.save): resumed, exported and loaded
+    into the plain model; the run's next checkpoints are format 2."""
+    from replica.train.optim import state_by_name
+
+    trainer = run(None, stop_at=4, model_seed=0)
+    step = tmp_path / "step-00000004"
+    step.mkdir()
+    files = {name: ckpt._write(step / name, obj) for name, obj in (
+        ("model-00000-of-00001.pt", trainer.model.state_dict()),
+        ("optim-00000-of-00001.pt", state_by_name(trainer.optimizer, trainer._names)),
+        ("rng-00000-of-00001.pt", rng_state()))}
+    meta = {"step": 4, "epoch": 1, "batch": 1, "call": 0, "call_start_epoch": 0, "batch_size": 32, "shuffle": True,
+            "seed": 0, "num_samples": 100}
+    (step / "manifest.json").write_text(json.dumps({"format": 1, "step": 4, "num_shards": 1, "trainer": meta,
+                                                    "files": files, "tied_parameters": {}}))
+    assert_same_weights(weights(load_into_plain_model(step, small_cnn())), weights(trainer.model))
+    resumed = run(tmp_path)
+    assert resumed.resumed_from.name == "step-00000004"
+    assert_same_weights(weights(resumed.model), uninterrupted)
+    assert ckpt.read_manifest(tmp_path / "step-00000009")["format"] == 2
 
 
 def test_resume_from_a_copied_directory(tmp_path: Path, uninterrupted) -> None:

@@ -43,3 +43,15 @@ def test_plan_writes_the_html_report(tmp_path, capsys):
     assert main(["plan", "tests.test_cli:tiny_factory", "--num-stages", "2", "--device", "a100-80gb",
                  "--html", str(out)]) == 0
     assert 'data-stage="1"' in out.read_text()
+
+
+def test_export_names_the_step_it_exported(tmp_path, capsys) -> None:
+    from tests.train_cases import run
+
+    run(tmp_path / "ckpt", epochs=1)  # steps 2 and 3 saved: the newest is exported
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "one")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"exported step 3 ({tmp_path / 'ckpt' / 'step-00000003'}) to "), out
+    assert main(["export", str(tmp_path / "ckpt" / "step-00000002"), str(tmp_path / "shards"),
+                 "--max-shard-size", "4000"]) == 0
+    assert capsys.readouterr().out.startswith("exported step 2 ("), "a sharded export's index names it too"

@@ -151,15 +151,16 @@ def _package(module: str) -> str:
 # plan; nothing but the front doors reaches the Trainer.
 NEVER = {
     "replica.partition": {"replica.runtime", "replica.parallel", "replica.planner", "replica.train", "replica.api",
-                          "replica.pipeline_model", "replica.checkpoint"},
+                          "replica.pipeline_model", "replica.checkpoint", "replica.hpo"},
     "replica.schedules": {"replica.runtime", "replica.parallel", "replica.planner", "replica.partition",
                           "replica.stage", "replica.train", "replica.api", "replica.pipeline_model"},
     "replica.stage": {"replica.runtime", "replica.parallel", "replica.planner", "replica.train", "replica.api",
                       "replica.pipeline_model"},
     "replica.parallel": {"replica.runtime", "replica.planner", "replica.train", "replica.api", "replica.pipeline_model"},
     "replica.runtime": {"replica.planner", "replica.train", "replica.api", "replica.pipeline_model"},
-    "replica.planner": {"replica.train", "replica.api", "replica.pipeline_model"},
-    "replica.checkpoint": {"replica.train", "replica.api", "replica.planner", "replica.runtime"},
+    "replica.planner": {"replica.train", "replica.api", "replica.pipeline_model", "replica.hpo"},
+    "replica.checkpoint": {"replica.train", "replica.api", "replica.planner", "replica.runtime", "replica.hpo"},
+    "replica.train": {"replica.hpo"},  # the search drives the Trainer, never the other way
 }
 
 

@@ -279,7 +279,7 @@ def test_a_trainer_trains_a_meta_model_and_resumes_it_from_its_own_checkpoint(tm
     """From init, the Trainer's meta model holds materialize's weights; a fresh meta model resumed from
     the checkpoint is materialized from it (weights= the step, no init), then ends as the
     uninterrupted run, bit for bit."""
-    from replica.checkpoint import store as ckpt
+    from replica.checkpoint import tensors
     from tests.train_cases import small_cnn
 
     built = spy_on_builds(monkeypatch)
@@ -297,9 +297,9 @@ def test_a_trainer_trains_a_meta_model_and_resumes_it_from_its_own_checkpoint(tm
     assert resumed.resumed_from.name == "step-00000002" and resumed.step == full.step == 6
     weights, first = built[-1]
     assert weights == resumed.resumed_from
-    saved = ckpt.load_model_state(resumed.resumed_from)
+    saved = tensors.StoredWeights(resumed.resumed_from)
     for name, t in first.items():
-        torch.testing.assert_close(t, saved[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(t, saved.read(name), rtol=0, atol=0, msg=name)
     got, end = dict(resumed.pipeline.named_parameters()), dict(full.pipeline.named_parameters())
     assert got.keys() == end.keys()
     for name, p in end.items():
@@ -375,7 +375,8 @@ def test_an_exported_checkpoint_loads_with_from_pretrained(gpt2_checkpoint, tmp_
     assert written == tmp_path / "model.safetensors"
     with safe_open(str(written), framework="pt") as f:
         assert "lm_head.weight" not in f.keys() and "transformer.wte.weight" in f.keys()
-        assert f.metadata() == {"format": "pt"}
+        assert f.metadata() == {"format": "pt", "replica_step": "2",  # what `replica export` names
+                                "replica_checkpoint": str(directory / "step-00000002")}
     model = from_pretrained(tmp_path, cfg)
     assert_state(model.state_dict(), state)
     with torch.no_grad():
@@ -438,10 +439,10 @@ def test_export_errors_name_the_problem_and_the_fix(gpt2_checkpoint, tmp_path) -
             replica.export_safetensors(directory, tmp_path / "out", max_shard_bytes=bad)
     broken = tmp_path / "broken"
     shutil.copytree(directory / "step-00000002", broken / "step-00000002")
-    with open(broken / "step-00000002" / "model-00000-of-00001.pt", "r+b") as f:
+    with open(broken / "step-00000002" / "__0_0.distcp", "r+b") as f:
         f.truncate(100)
     with pytest.raises(CheckpointError, match=r"no complete checkpoint .*; pass a checkpoint_dir"):
-        with pytest.warns(RuntimeWarning, match="model-00000-of-00001.pt has 100 bytes"):
+        with pytest.warns(RuntimeWarning, match="__0_0.distcp has 100 bytes"):
             replica.export_safetensors(broken, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -465,25 +466,16 @@ def test_write_safetensors_streams_every_dtype_and_shape(tmp_path) -> None:
 
 
 def test_export_stores_a_weight_tied_across_shards_once(tmp_path) -> None:
-    """Two ranks' shards each hold a copy of a tied weight under its own name: the manifest's
-    record of the ties (not shared storage, which only one shard can show) drops the alias;
-    equal values under names not recorded as tied both stay."""
+    """A tied weight's copy is stored under each of its names: the manifest's record of the ties
+    drops the alias; equal values under names not recorded as tied both stay."""
     from safetensors.torch import load_file
 
     from replica.checkpoint import store as ckpt
 
     embedding, norm = torch.randn(8, 4), torch.ones(4)
-    shards = [{"wte.weight": embedding, "ln.weight": norm},
-              {"head.weight": embedding.clone(), "ln2.weight": norm.clone()}]
+    state = {"wte.weight": embedding, "ln.weight": norm, "head.weight": embedding.clone(), "ln2.weight": norm.clone()}
     for tied, directory in (({"wte.weight": ("head.weight",)}, tmp_path / "tied"), (None, tmp_path / "untied")):
-        tmp = directory / ".tmp-step-00000001"  # what two pipeline ranks leave for rank 0 to publish
-        tmp.mkdir(parents=True)
-        files: dict = {}
-        for i, model in enumerate(shards):
-            files.update(ckpt._write_shard(tmp, ckpt.Shard(index=i, count=2, model=model, rng={},
-                                                           optimizer={"state": {}, "param_groups": []})))
-        assert ckpt._publish(directory, directory / "step-00000001", tmp, 1, [(2, files, None)], {}, 1, tied or {}) \
-            is None
+        ckpt.save(directory, 1, state, {}, {}, keep=1, tied=tied)
         loaded = load_file(str(replica.export_safetensors(directory, directory / "hf")))
         assert sorted(loaded) == sorted(["wte.weight", "ln.weight", "ln2.weight"] + ([] if tied else ["head.weight"]))
         torch.testing.assert_close(loaded["wte.weight"], embedding, rtol=0, atol=0)

@@ -42,7 +42,7 @@ def test_an_infeasible_budget_names_the_need_and_the_stage_count(gpt_graph):
     with pytest.raises(replica.PartitionError) as err:
         plan(gpt_graph, num_stages=2, memory_budget=budget)
     message = str(err.value)
-    assert "does not fit in 2 stages" in message and "GiB" in message
+    assert "does not fit in 2 stages of" in message and "iB on its fullest stage" in message
     assert re.search(r"smallest num_stages that fits is \d+|no stage count", message)
 
 

@@ -58,7 +58,8 @@ def test_json_has_a_format(plan):
     data = json.loads(plan.to_json())
     assert data["format"] == 2
     assert data["layout"] == {"schedule": "1f1b", "num_stages": 3, "pipeline_ranks": 3, "data_parallel_size": 1,
-                              "tensor_parallel_size": 1, "sharding": "none", "shard_group_size": None}
+                              "tensor_parallel_size": 1, "sharding": "none", "shard_group_size": None,
+                              "sequence_parallel": False}
 
 
 def test_a_plan_of_format_1_loads_with_its_layout(plan):
@@ -426,3 +427,18 @@ def test_interleaved_with_three_stages_per_rank_plans() -> None:
     plan = replica.plan(model, inputs, world_size=3, num_stages=9, num_microbatches=3, schedule="interleaved",
                         device="a100-80gb")
     assert (plan.layout.pipeline_ranks, plan.layout.num_stages) == (3, 9)
+
+
+def test_the_summary_never_says_zero_tflops_or_zero_bytes_for_a_number(plan):
+    from replica.units import format_flop_rate
+
+    assert format_flop_rate(3.14e10) == "31.4 GFLOP/s" and format_flop_rate(2.5e14) == "250 TFLOP/s"
+    assert format_flop_rate(1.5e5) == "150 kFLOP/s" and format_flop_rate(0) == "0 FLOP/s"
+    text = plan.summary()  # priced on a slow device: GFLOP/s, not "0.0 TFLOP/s"
+    assert "0.0 TFLOP/s" not in text and re.search(r"predicted [\d.]+ [kMGTP]?FLOP/s per device", text), text
+    size = BoundaryTensor(name="sym_size", source_stage=0, destination_stages=(1,), shape=None, dtype=None, nbytes=0)
+    stages = list(plan.stages)
+    stages[0] = dataclasses.replace(stages[0], outputs=(size, *stages[0].outputs))
+    row = next(line for line in dataclasses.replace(plan, stages=tuple(stages)).summary().splitlines()
+               if line.startswith("│     0 │"))
+    assert "a number→1" in row and "0→1" not in row and "0 B→1" not in row, row

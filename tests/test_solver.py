@@ -318,3 +318,16 @@ def test_balance_groups_never_ends_worse_and_respects_infeasible_stages():
     out = balance_groups(cost, [0, 2, 4, 6, 8], [[0, 3], [1, 2]])
     assert out[2] - out[1] <= 2  # stage 1 never takes more than it can
     assert max(cost(k, out[k], out[k + 1]) for k in range(4)) < float("inf")
+
+
+def test_within_the_tie_a_preferred_cut_wins_and_beyond_it_the_optimum_stands():
+    # blocks of (norm, layer): block boundaries before items 0, 2, 4, 6, 8
+    cost = interval_costs([1.0, 10.0, 1.0, 10.0, 1.0, 10.0, 4.0, 10.0])
+    blocks = [p % 2 == 0 for p in range(9)]
+    best = solve(cost, 2)  # 23 | 24 after the third block's norm: inside the block
+    assert best.bounds == (0, 5, 8) and best.bottleneck == 24.0
+    assert solve(cost, 2, preferred_cuts=blocks, tie=0.0) == best
+    assert solve(cost, 2, preferred_cuts=blocks, tie=0.01) == best  # the boundary's 22 | 25 is 4% worse
+    near = solve(cost, 2, preferred_cuts=blocks, tie=0.05)  # within 5%: the block boundary
+    assert near.bounds == (0, 4, 8) and near.bottleneck == 25.0
+    assert solve(cost, 2, preferred_cuts=[True] * 9, tie=0.05) == best  # nothing to gain: the optimum

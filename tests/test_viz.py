@@ -361,3 +361,18 @@ def test_report_renders_in_chromium(gpt, tmp_path):
 
 def test_docs_script_exists():
     assert (Path(__file__).resolve().parent.parent / "docs" / "make_report.py").is_file()
+
+
+def test_a_pipeline_or_a_trainer_is_drawn_from_its_own_traced_graph(tmp_path):
+    from tests.train_cases import images, make_trainer
+
+    trainer = make_trainer(batch_size=16, num_stages=2)
+    with pytest.raises(replica.ConfigError, match="train_dataset"):
+        render_html(trainer)  # no pipeline before the first batch
+    trainer.train_dataset(*images(32), epochs=1)
+    pm = trainer.pipeline
+    text = render_html(trainer)
+    assert "pass graph=" not in text and text == render_html(pm) == render_html(pm, graph=pm.graph)
+    for node in pm.graph.op_nodes:  # every op under the module the graph says, none guessed from its name
+        assert f'<li class="op">{node.name} ' in text
+    assert visualize(trainer, tmp_path / "plan.html").read_text() == text

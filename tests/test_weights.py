@@ -12,7 +12,6 @@ from safetensors.torch import save_file
 
 import replica
 import replica.weights
-from replica.checkpoint import store as ckpt
 from replica.errors import ConfigError, ReplicaError
 from replica.weights import WeightsError, read_weights, wanted_from
 
@@ -199,17 +198,17 @@ def test_a_replica_checkpoint_reads_like_load_into_plain_model(tmp_path: Path) -
     newest = replica.load_into_plain_model(tmp_path, small_cnn()).state_dict()
     assert_equal(read_weights(tmp_path, rank), {n: newest[n] for n in rank})
     # a truncated newest step is passed over for the one before it, as the trainer would
-    shard = tmp_path / "step-00000004" / "model-00000-of-00001.pt"
+    shard = tmp_path / "step-00000004" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
     assert_equal(read_weights(tmp_path, wanted), replica.load_into_plain_model(tmp_path / "step-00000002",
                                                                                small_cnn()).state_dict())
-    with pytest.raises(WeightsError, match=r"no complete Replica checkpoint in .*step-00000004: model shards "
-                                           r"\['model-00000-of-00001.pt'\] are missing or truncated"):
+    with pytest.raises(WeightsError, match=r"no complete Replica checkpoint in .*step-00000004: files "
+                                           r"\['__0_0.distcp'\] are missing or truncated"):
         read_weights(tmp_path / "step-00000004", wanted)
 
 
-def test_a_replica_checkpoint_written_by_two_ranks(tmp_path: Path) -> None:
-    """Each rank's shard holds its own names; the reader takes them from both."""
+def test_a_format_1_replica_checkpoint_written_by_two_ranks(tmp_path: Path) -> None:
+    """Format 1 (before DCP), read only: each rank's shard holds its own names; the reader takes them from both."""
     from tests.train_cases import small_cnn
 
     state = small_cnn().state_dict()
@@ -221,6 +220,6 @@ def test_a_replica_checkpoint_written_by_two_ranks(tmp_path: Path) -> None:
         file = step / f"model-{index:05d}-of-00002.pt"
         torch.save({n: state[n] for n in part}, file)
         files[file.name] = {"sha256": "", "bytes": file.stat().st_size}
-    (step / "manifest.json").write_text(json.dumps({"format": ckpt.FORMAT, "step": 7, "num_shards": 2,
+    (step / "manifest.json").write_text(json.dumps({"format": 1, "step": 7, "num_shards": 2,
                                                     "trainer": {}, "files": files}))
     assert_equal(read_weights(tmp_path, wanted_from(state)), state)

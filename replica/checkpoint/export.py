@@ -4,6 +4,7 @@ shards and the index ``save_pretrained`` writes (``replica export`` on the comma
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -11,16 +12,8 @@ from typing import Any
 
 import torch
 
-from replica.checkpoint.store import (
-    MANIFEST,
-    CheckpointError,
-    _fsync_dir,
-    _write,
-    checkpoints,
-    load_model_state,
-    read_manifest,
-    resolve,
-)
+from replica.checkpoint.store import MANIFEST, CheckpointError, _fsync_dir, _write, checkpoints, read_manifest, resolve
+from replica.checkpoint.tensors import StoredWeights
 from replica.errors import ConfigError
 from replica.weights import write_safetensors
 
@@ -46,33 +39,40 @@ def _bytes(value: int | str | None) -> int | None:
     return value
 
 
-def _exported_names(path: Path, state: dict[str, torch.Tensor]) -> list[str]:
+def _exported_names(stored: StoredWeights) -> list[str]:
     """The names to export: every stored one but the tied duplicates. Hugging Face stores a tied
     weight once, under its first name (GPT-2: ``transformer.wte.weight``, not ``lm_head.weight``),
     and safetensors refuses shared storage. Ties come from the manifest (the Trainer records the
-    plan's), else from storage shared within a shard; untied copies on two ranks are both kept."""
-    tied = read_manifest(path).get("tied_parameters", {})
-    dropped = {alias for name, aliases in tied.items() if name in state for alias in aliases}
+    plan's); in a format-1 checkpoint also from storage shared within a shard."""
+    tied = read_manifest(stored.path).get("tied_parameters", {})
+    dropped = {alias for name, aliases in tied.items() if name in stored.specs for alias in aliases}
     seen: dict[tuple[Any, ...], str] = {}
     names = []
-    for name, t in state.items():
+    for name in stored.specs:
         if name in dropped:
             continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
-        if t.numel() and key in seen:
-            continue
-        seen.setdefault(key, name)
+        if stored.legacy:
+            t = stored.read(name)  # memory-mapped: no bytes read
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+            if t.numel() and key in seen:
+                continue
+            seen.setdefault(key, name)
         names.append(name)
     return names
 
 
-def _shard_plan(names: list[str], state: dict[str, torch.Tensor], limit: int | None) -> list[list[str]]:
+def _nbytes(spec: tuple[tuple[int, ...], torch.dtype]) -> int:
+    shape, dtype = spec
+    return math.prod(shape) * dtype.itemsize
+
+
+def _shard_plan(names: list[str], stored: StoredWeights, limit: int | None) -> list[list[str]]:
     """Names grouped into files in model order, as ``save_pretrained`` does: a file takes tensors
     until the next would pass ``limit``; a tensor larger than ``limit`` gets a file of its own."""
     shards: list[list[str]] = [[]]
     size = 0
     for name in names:
-        n = state[name].numel() * state[name].element_size()
+        n = _nbytes(stored.specs[name])
         if limit is not None and shards[-1] and size + n > limit:
             shards.append([])
             size = 0
@@ -81,17 +81,25 @@ def _shard_plan(names: list[str], state: dict[str, torch.Tensor], limit: int | N
     return shards
 
 
+def exported_from(step_path: Path) -> dict[str, str]:
+    """What an export records of its source (safetensors metadata are strings): the checkpoint
+    step directory and its step, e.g. ``{"replica_checkpoint": ".../step-00000012", "replica_step": "12"}``."""
+    found = re.fullmatch(r"step-(\d+)", step_path.name)
+    return {"replica_checkpoint": str(step_path), **({"replica_step": str(int(found[1]))} if found else {})}
+
+
 def export_safetensors(checkpoint_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
                        max_shard_bytes: int | str | None = None, overwrite: bool = False) -> Path:
     """Write a Replica checkpoint's weights, under their original names, as a Hugging Face model
     directory's weights: ``out_dir/model.safetensors``, or with ``max_shard_bytes`` (an int, or
     ``"5GB"`` as ``save_pretrained``'s ``max_shard_size``) ``model-0000i-of-0000n.safetensors``
     files and the ``model.safetensors.index.json`` that ``save_pretrained`` writes
-    (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``). Returns the file to load.
+    (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``). Returns the file to load;
+    its metadata name the step exported (:func:`exported_from`: ``replica_step``, ``replica_checkpoint``).
 
     ``checkpoint_path``: a ``checkpoint_dir`` (its newest good step) or one ``step-XXXXXXXX``
-    directory, checksums verified. Tensors are read memory-mapped and written one at a time, so
-    no more than one tensor is held in memory; tied duplicates are left out (see
+    directory, checksums verified. Tensors are read one at a time (DCP: that name alone) and
+    written as read, so no more than one tensor is held in memory; tied duplicates are left out (see
     :func:`_exported_names`). Add the model's config (``config.save_pretrained(out_dir)``) and
     ``from_pretrained(out_dir)`` loads it; so does ``replica.auto_parallel(..., weights=out_dir)``.
     An ``out_dir`` already holding such files is refused unless ``overwrite``: then they are
@@ -116,12 +124,12 @@ def export_safetensors(checkpoint_path: str | os.PathLike[str], out_dir: str | o
         raise ConfigError(f"out_dir {out} already holds model weights ({', '.join(held[:4])}"
                           f"{', ...' if len(held) > 4 else ''}); pass overwrite=True (CLI: --overwrite) to replace "
                           "them, or choose another directory")
-    path = resolve(source)
-    state = load_model_state(path)
-    if not state:
-        raise CheckpointError(f"checkpoint {path} holds no model weights; export a checkpoint the trainer wrote")
-    names = _exported_names(path, state)
-    shards = _shard_plan(names, state, limit)
+    stored = StoredWeights(resolve(source))
+    if not stored.specs:
+        raise CheckpointError(f"checkpoint {stored.path} holds no model weights; export a checkpoint the trainer wrote")
+    names = _exported_names(stored)
+    shards = _shard_plan(names, stored, limit)
+    specs = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in stored.specs.items()}
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     out.mkdir(parents=True, exist_ok=True)
@@ -129,12 +137,14 @@ def export_safetensors(checkpoint_path: str | os.PathLike[str], out_dir: str | o
     written = 0
     try:
         for file, shard in zip(files, shards):
-            written += write_safetensors(tmp[file], [(n, state[n]) for n in shard], metadata={"format": "pt"})
+            written += write_safetensors(tmp[file], [(n, specs[n]) for n in shard],
+                                         metadata={"format": "pt", **exported_from(stored.path)}, read=stored.read)
         index = None
         if len(files) > 1:
             weight_map = {n: file for file, shard in zip(files, shards) for n in shard}
-            total_parameters = sum(state[n].numel() for n in names)
-            index = json.dumps({"metadata": {"total_size": written, "total_parameters": total_parameters},
+            total_parameters = sum(math.prod(stored.specs[n][0]) for n in names)
+            index = json.dumps({"metadata": {"total_size": written, "total_parameters": total_parameters,
+                                             **exported_from(stored.path)},
                                 "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
         for stale in held:  # an earlier export's files this one does not replace
             if stale not in files:

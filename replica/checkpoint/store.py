@@ -1,47 +1,60 @@
-"""Checkpoints: atomic ``step-XXXXXXXX/`` directories of per-rank shards, checksummed, keyed by parameter name.
+"""Checkpoints: atomic ``step-XXXXXXXX/`` directories written by every rank through torch.distributed.checkpoint.
 
-Layout of one checkpoint (``P`` pipeline ranks wrote it, one shard each)::
+Layout of one checkpoint (``W`` ranks wrote it)::
 
     step-00000120/
-        manifest.json                 step, trainer state, tied weights' names, sha256 and size of every file
-        model-00000-of-0000P.pt       a plain state_dict slice: ORIGINAL keys (loads into the model)
-        optim-00000-of-0000P.pt       optimizer state and param groups keyed by parameter name
-        rng-00000-of-0000P.pt         torch / python / numpy RNG states of the rank that wrote it
+        manifest.json        format, step, world size, trainer state, tied weights, sha256 and size of every file
+        .metadata            torch.distributed.checkpoint's index: every tensor's global shape, dtype and chunks
+        __R_0.distcp         rank R's own shards (a DCP file): weights under their ORIGINAL names, optimizer
+                             state under ``optimizer.state.<name>.<key>``; nothing is gathered
+        rank-R.pt            rank R's RNG states (``torch.load(weights_only=True)``)
+        trainer.pt           the optimizer's param groups and non-tensor state, by parameter name
 
-Writing is collective under ``torch.distributed``: every writing rank puts its files in
-``.tmp-step-XXXXXXXX/`` and fsyncs them; rank 0 then writes the manifest and renames the
-directory into place, so a checkpoint is either complete or absent. Reading takes every
-shard and keeps the names a rank asks for: a checkpoint written by 4 pipeline ranks
-loads on 2, or into the plain model (:func:`load_into_plain_model`). Every file is read
-with ``torch.load(..., weights_only=True)``. :func:`export_safetensors` writes a checkpoint's
-weights as a Hugging Face directory's ``model.safetensors`` (or its shards and index).
+Writing is collective under ``torch.distributed``: every rank writes its files into
+``.tmp-step-XXXXXXXX/`` (DCP: each rank what it holds, a replicated tensor once) and checksums
+them; rank 0 then writes the manifest and renames the directory into place, so a checkpoint is
+either complete or absent. With ``asynchronous=True`` the tensors are copied and written in the
+background (DCP's ``async_save``); :meth:`PendingSave.finish` waits and publishes. A checkpoint
+loads into any layout (DCP reshards), into the plain model, or with ``torch.distributed.checkpoint``
+alone: ``dcp.load(model.state_dict(), checkpoint_id=step_dir)``. Format 1 (``model-*-of-*.pt``
+per pipeline rank, before DCP) still loads, read only (:mod:`replica.checkpoint.legacy`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from replica.checkpoint.pieces import snapshot
 from replica.errors import ReplicaError
 
 __all__ = [
-    "CheckpointError", "Shard", "save", "step_dir", "checkpoints", "verify", "latest", "latest_across_ranks", "resolve",
-    "read_manifest", "load_model_state", "load_optimizer_states", "load_rng", "load_into_plain_model",
+    "CheckpointError", "PendingSave", "save", "step_dir", "checkpoints", "verify", "latest", "latest_across_ranks",
+    "resolve", "read_manifest", "rank_file", "single_process_quietly", "dcp_failure", "read_index", "OPTIMIZER_PREFIX",
+    "TRAINER_FILE",
 ]
 
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)  # 1: torch.save shards per pipeline rank, read only
 MANIFEST = "manifest.json"
+TRAINER_FILE = "trainer.pt"
+OPTIMIZER_PREFIX = "optimizer.state."
 _STEP = re.compile(r"^step-(\d{8,})$")
 
 
@@ -49,23 +62,12 @@ class CheckpointError(ReplicaError):
     """A checkpoint could not be written or read (disk full, missing shard, wrong model)."""
 
 
-@dataclass
-class Shard:
-    """What one pipeline rank writes: its slice of the weights, optimizer state and RNG states."""
-
-    index: int
-    count: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    rng: dict[str, Any]
-
-
-def _name(kind: str, index: int, count: int) -> str:
-    return f"{kind}-{index:05d}-of-{count:05d}.pt"
-
-
 def step_dir(checkpoint_dir: str | os.PathLike[str], step: int) -> Path:
     return Path(checkpoint_dir) / f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
 
 
 # --------------------------------------------------------------------------- writing
@@ -104,16 +106,12 @@ def _write(path: Path, obj: Any) -> dict[str, Any]:
     return {"sha256": _sha256(path), "bytes": path.stat().st_size}
 
 
-def _write_shard(tmp: Path, shard: Shard) -> dict[str, dict[str, Any]]:
-    files = {}
-    for kind, obj in (("model", shard.model), ("optim", shard.optimizer), ("rng", shard.rng)):
-        name = _name(kind, shard.index, shard.count)
-        files[name] = _write(tmp / name, obj)
-    return files
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
 
 
 def _from_rank0(value: Any) -> Any:
@@ -132,63 +130,182 @@ def _gather(value: Any) -> list[Any]:
     return out
 
 
-def save(checkpoint_dir: str | os.PathLike[str], step: int, shard: Shard | None, meta: dict[str, Any], *,
-         keep: int, tied: Mapping[str, Sequence[str]] | None = None) -> Path:
-    """Write checkpoint ``step`` (collective: every rank calls; ranks without a shard pass ``None``).
+@contextlib.contextmanager
+def single_process_quietly() -> Iterator[None]:
+    """DCP in one process warns on every call that it assumes one process: it is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
-    Returns the directory; raises :class:`CheckpointError` on every rank if any rank failed.
-    Keeps the newest ``keep`` checkpoints. ``tied``: each tied weight's first name -> its other
-    names (``plan.tied_parameters``), recorded so that an export stores the weight once.
+
+def _own_files(tmp: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """Checksums of the files this rank wrote: its DCP files, its RNG file, rank 0 the index too."""
+    names = [p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") and p.name.endswith(".distcp")]
+    names.append(rank_file(rank))
+    if rank == 0:
+        names += [".metadata", TRAINER_FILE]
+    return {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
+
+
+_ASYNC_GROUP: list[Any] = []  # a gloo group of its own for background writes, made once (collective)
+
+
+def _async_group() -> Any:
+    """Background writes coordinate on a process group of their own (gloo), so they never
+    interleave with the training step's collectives (as torchtitan does)."""
+    if not _distributed():
+        return None
+    if not _ASYNC_GROUP:
+        _ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[0]
+
+
+class _Copied:
+    """DCP's stager for tensors :func:`save` copied already: hands them on as they are."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being written: :meth:`finish` (collective) waits for every rank's files and
+    publishes the step directory. Returned by :func:`save`; a synchronous save comes finished."""
+
+    root: Path
+    step: int
+    meta: dict[str, Any]
+    keep: int
+    tied: Mapping[str, Sequence[str]]
+    future: Future[Any] | None = None
+    problem: str | None = None
+    path: Path | None = field(default=None)
+
+    def finish(self) -> Path:
+        """Wait for the write, checksum, publish (rank 0 renames), prune; raises
+        :class:`CheckpointError` on every rank if any rank failed."""
+        if self.path is not None:
+            return self.path
+        final, tmp = step_dir(self.root, self.step), self.root / f".tmp-step-{self.step:08d}"
+        mine, files = self.problem, {}
+        if self.future is not None and mine is None:
+            try:
+                self.future.result()
+            except (Exception, CheckpointException) as exc:  # reported to every rank below
+                mine = _failure(tmp, exc)
+        self.future = None
+        if mine is None:
+            try:
+                files = _own_files(tmp, _rank())
+            except OSError as exc:
+                mine = f"cannot read back what rank {_rank()} wrote to {tmp}: {exc}"
+        reports = _gather((files, mine))
+        problem = None
+        if _rank() == 0:
+            try:
+                problem = _publish(self.root, final, tmp, self.step, reports, self.meta, self.keep, self.tied)
+            except Exception as exc:  # every rank waits for this answer: give one
+                problem = f"cannot publish checkpoint {final}: {type(exc).__name__}: {exc}"
+        problem = _from_rank0(problem)
+        if problem:
+            raise CheckpointError(problem)
+        self.path = final
+        return final
+
+
+def dcp_failure(exc: BaseException) -> str:
+    """What went wrong in a DCP call, in one line: a ``CheckpointException`` (a BaseException
+    carrying each failed rank's exception) names those ranks and the first one's error."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (inner, _) = next(iter(sorted(exc.failures.items())))
+        ranks = sorted(exc.failures)
+        return f"{type(inner).__name__}: {inner} (on rank{'s' if len(ranks) > 1 else ''} {ranks})"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _failure(tmp: Path, exc: BaseException) -> str:
+    return f"rank {_rank()} could not write its shards to {tmp}: {dcp_failure(exc)}"
+
+
+def save(checkpoint_dir: str | os.PathLike[str], step: int, tensors: dict[str, torch.Tensor], rng: dict[str, Any],
+         meta: dict[str, Any], *, keep: int, tied: Mapping[str, Sequence[str]] | None = None,
+         trainer: dict[str, Any] | None = None, asynchronous: bool = False) -> PendingSave:
+    """Write checkpoint ``step`` (collective: every rank calls with the tensors it holds).
+
+    ``tensors``: flat names -> tensors (DTensors as held: each rank writes its own shards; a
+    tensor two ranks hold alike is written once); ``rng``: this rank's RNG states; ``trainer``:
+    this rank's small extras (param groups by name; ``weights_only`` types), gathered into one
+    ``trainer.pt`` list (rank order) by rank 0; ``meta``: the trainer state
+    for the manifest. ``tied``: each tied weight's first name -> its other names, recorded so an
+    export stores the weight once. Keeps the newest ``keep`` checkpoints. Returns a
+    :class:`PendingSave`: finished unless ``asynchronous`` (then call ``finish()``, collective, later).
+    Raises :class:`CheckpointError` on every rank if any rank failed; the previous checkpoints stay.
     """
     root = Path(checkpoint_dir)
-    final, tmp = step_dir(root, step), root / f".tmp-step-{step:08d}"
-    is_root = not _distributed() or dist.get_rank() == 0
+    tmp = root / f".tmp-step-{step:08d}"
+    rank = _rank()
     problem = None
-    if is_root:
+    if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         except OSError as exc:
-            problem = f"cannot create {tmp}: {exc}"
+            problem = (f"cannot write checkpoint step {step} into {root}: {exc}; make the directory writable "
+                       "(or point config.checkpoint_dir elsewhere): the previous checkpoints are untouched")
     problem = _from_rank0(problem)
     if problem:
         raise CheckpointError(problem)
-    files, mine = {}, None
-    if shard is not None:
+    pending = PendingSave(root, step, meta, keep, tied or {})
+    try:
+        _write(tmp / rank_file(rank), rng)
+    except Exception as exc:
+        pending.problem = _failure(tmp, exc)
+    reports = _gather((pending.problem, trainer or {}))  # every rank enters DCP's collectives, or none does
+    if rank == 0 and not any(p for p, _ in reports):
         try:
-            files = _write_shard(tmp, shard)
-        except Exception as exc:  # reported to every rank below, never left for them to wait on
-            mine = f"shard {shard.index} of {shard.count} could not be written to {tmp}: {type(exc).__name__}: {exc}"
-    reports = _gather((shard.count if shard is not None else None, files, mine))
-    if is_root:
-        try:
-            problem = _publish(root, final, tmp, step, reports, meta, keep, tied or {})
-        except Exception as exc:  # every rank waits for this answer: give one
-            problem = f"cannot publish checkpoint {final}: {type(exc).__name__}: {exc}"
-    problem = _from_rank0(problem)
-    if problem:
-        raise CheckpointError(problem)
-    return final
+            _write(tmp / TRAINER_FILE, [t for _, t in reports])
+        except Exception as exc:
+            pending.problem = _failure(tmp, exc)
+    problems = [p for p in _gather(pending.problem) if p]  # rank 0's trainer.pt too
+    if problems:
+        pending.problem = pending.problem or problems[0]
+        pending.finish()  # raises on every rank
+    writer = dcp.FileSystemWriter(tmp, sync_files=True, overwrite=True)
+    try:
+        if asynchronous:  # copied to the CPU here, as DCP sees them (its own stager would lose pieces' boxes)
+            copies = {k: snapshot(v) for k, v in tensors.items()}
+            pending.future = dcp.async_save(copies, storage_writer=writer, process_group=_async_group(),
+                                             async_stager=_Copied(), no_dist=not _distributed())
+        else:
+            with single_process_quietly():
+                dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
+    except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank failed
+        pending.problem = _failure(tmp, exc)
+    if not asynchronous:
+        pending.finish()
+    return pending
 
 
 def _publish(root: Path, final: Path, tmp: Path, step: int, reports: list[Any], meta: dict[str, Any],
              keep: int, tied: Mapping[str, Sequence[str]]) -> str | None:
-    """Rank 0: check every shard arrived, write the manifest, rename into place, prune."""
-    errors = [e for _, _, e in reports if e]
+    """Rank 0: check every rank's files arrived, write the manifest, rename into place, prune."""
+    errors = [e for _, e in reports if e]
     if errors:
         return "; ".join(errors)
-    counts = {c for c, _, _ in reports if c is not None}
     files: dict[str, Any] = {}
-    for _, f, _ in reports:
+    for f, _ in reports:
         files.update(f)
-    if len(counts) != 1:
-        return f"ranks disagree on the number of shards: {sorted(counts)}"
-    count = counts.pop()
-    expected = {_name(k, i, count) for k in ("model", "optim", "rng") for i in range(count)}
-    if set(files) != expected:
-        return f"checkpoint step {step} is missing shard files {sorted(expected - set(files))}"
-    manifest = {"format": FORMAT, "step": step, "num_shards": count, "time": time.time(),
+    manifest = {"format": FORMAT, "step": step, "world_size": len(reports), "time": time.time(),
                 "torch_version": torch.__version__, "trainer": meta, "files": files,
                 "tied_parameters": {name: list(aliases) for name, aliases in tied.items()}}
     try:
@@ -235,9 +352,38 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{path} has no {MANIFEST}: the checkpoint is incomplete") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{Path(path) / MANIFEST} is unreadable: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
-        raise CheckpointError(f"{Path(path) / MANIFEST} is not a format-{FORMAT} Replica manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS or "files" not in manifest:
+        raise CheckpointError(f"{Path(path) / MANIFEST} is not a Replica manifest of format {FORMATS}")
     return manifest
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: only what a DCP index holds may be built from it (its own
+    dataclasses and enums, ``torch.Size``, dtypes, layouts, paths), never a call chosen by the file."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        if (module.startswith("torch.distributed.checkpoint.") and isinstance(found, type)) \
+                or (module == "torch" and (found is torch.Size or isinstance(found, torch.dtype))) \
+                or (module, name) in (("torch.serialization", "_get_layout"), ("collections", "OrderedDict")) \
+                or (module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath")):
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not something a DCP index holds")
+
+
+def read_index(path: str | os.PathLike[str]) -> Any:
+    """Checkpoint ``path``'s DCP index (``.metadata``: every tensor's global shape, dtype and
+    chunks), unpickled with only the types such an index holds: a forged one is refused before
+    torch.distributed.checkpoint (which unpickles it freely) reads it."""
+    file = Path(path) / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            return _IndexUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an older step directory") from None
+    except Exception as exc:  # unpickling errors, truncated files, refused globals
+        raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc}); it is not an index "
+                              "torch.distributed.checkpoint wrote: use another step directory") from None
 
 
 def verify(path: str | os.PathLike[str], *, share: tuple[int, int] = (0, 1)) -> str | None:
@@ -330,55 +476,3 @@ def resolve(path: str | os.PathLike[str]) -> Path:
             "pass a checkpoint_dir the trainer wrote, or one of its step-XXXXXXXX directories"
         )
     return found
-
-
-def _load(file: Path) -> Any:
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete") from None
-    except Exception as exc:  # unpickling errors, truncated zip files
-        raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc})") from None
-
-
-def _shards(path: Path, kind: str) -> Iterator[Any]:
-    count = int(read_manifest(path)["num_shards"])
-    for i in range(count):
-        yield _load(path / _name(kind, i, count))
-
-
-def load_model_state(path: str | os.PathLike[str], names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
-    """Weights by original name from every shard (only ``names`` if given)."""
-    out: dict[str, torch.Tensor] = {}
-    for state in _shards(Path(path), "model"):
-        for key, value in state.items():
-            if names is None or key in names:
-                out.setdefault(key, value)
-    return out
-
-
-def load_optimizer_states(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    return list(_shards(Path(path), "optim"))
-
-
-def load_rng(path: str | os.PathLike[str], shard_index: int) -> dict[str, Any]:
-    """The RNG states shard ``shard_index`` wrote (the last shard's when there are fewer)."""
-    path = Path(path)
-    count = int(read_manifest(path)["num_shards"])
-    state: dict[str, Any] = _load(path / _name("rng", min(shard_index, count - 1), count))
-    return state
-
-
-def load_into_plain_model(path: str | os.PathLike[str], model: torch.nn.Module, *, strict: bool = True
-                          ) -> torch.nn.Module:
-    """Load a checkpoint (a ``step-XXXXXXXX`` directory, or the newest good one in a
-    ``checkpoint_dir``) into the plain, unsplit model, whatever layout wrote it."""
-    state = load_model_state(resolve(path))
-    try:
-        model.load_state_dict(state, strict=strict)
-    except RuntimeError as exc:
-        raise CheckpointError(
-            f"checkpoint {path} does not fit {type(model).__name__}: {str(exc).splitlines()[0]} "
-            f"(it holds {len(state)} tensors; the model's state_dict has {len(model.state_dict())})"
-        ) from None
-    return model

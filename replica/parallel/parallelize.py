@@ -91,7 +91,7 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
         made: dict[int, torch.nn.Parameter] = {}
         for stage in mine:
             shard_stage_tensors(stage.module, plan.tensor_parallel, mesh.tensor_parallel_mesh, canonical, made,
-                                fsdp_next=flags.sharded)
+                                fsdp_next=flags.sharded, sequence=plan.sequence_shards)
     # 2. stage rewrites: every stage of the split (one process runs all of them)
     for stage in stages:
         if stage.stage_index in flags.deferring:

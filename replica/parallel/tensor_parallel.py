@@ -12,8 +12,16 @@ rank of a stage's tensor-parallel group, :func:`shard_stage_tensors`:
    gradient is all-reduced in backward where DTensor finds it partial), and every value
    that leaves one becomes a plain tensor again, replicated — DTensor all-reduces a
    row-parallel output (partial sums) and all-gathers a column-parallel head's logits there.
+   Under autocast a value entering a block's linears is cast to autocast's dtype first (as
+   the linears would cast it), so its gradient's all-reduce moves half-precision bytes.
 
-Everything outside the blocks runs on plain tensors, replicated on each rank of the group.
+With the plan's sequence-parallel region (``sequence``: Megatron-SP, see
+:mod:`replica.partition.sequence_parallel`), the exits it names are reduce-scattered along the
+tokens instead (:class:`ToSequence`), the token-wise ops after them (norms, residual adds,
+dropout) run on those ``Shard(1)`` DTensors (their parameters replicated DTensors), and a
+block's entry all-gathers them (:class:`ToReplicated`); a region value read anywhere else (a
+stage output, the loss) is gathered whole. Everything else outside the blocks runs on plain
+tensors, replicated on each rank of the group.
 DTensor propagates the shardings through the ops inside a block (views keep the model's own
 head counts: shapes stay global), so the result and every gradient are the plain model's
 whatever the plan cuts; the plan only decides what is worth cutting. A stage's inputs and
@@ -32,10 +40,11 @@ from torch.utils._pytree import tree_map
 from replica.errors import ConfigError
 from replica.parallel.fsdp import drop_dtype_asserts
 from replica.partition.tensor_parallel import ShardedBlock
+from replica.precision import ambient_autocast
 
 __all__ = ["shard_stage_tensors", "match_grad_placements", "split"]
 
-_IN, _OUT = "_replica_tp_in", "_replica_tp_out"
+_IN, _IN_CAST, _OUT = "_replica_tp_in", "_replica_tp_in_cast", "_replica_tp_out"
 
 
 def _dtensor() -> Any:
@@ -52,21 +61,51 @@ def _is_dtensor(x: Any) -> bool:
 
 
 class ToReplicated(torch.nn.Module):
-    """A plain tensor entering a block: the same data as a replicated DTensor (DTensors and
-    Python values pass)."""
+    """A value entering a block: the same data as a replicated DTensor (a plain tensor wrapped,
+    no message; a sequence shard all-gathered, its gradient reduce-scattered in backward;
+    Python values pass). ``cast``: the value feeds linears, so under autocast it enters in
+    autocast's dtype, as the linears would cast it: its gradient's all-reduce (or
+    reduce-scatter) then moves half-precision bytes, not fp32's."""
 
-    def __init__(self, mesh: Any) -> None:
+    def __init__(self, mesh: Any, cast: bool = False) -> None:
         super().__init__()
         self.mesh = mesh
+        self.cast = cast
+
+    def forward(self, x: Any) -> Any:
+        dt = _dtensor()
+        half = ambient_autocast(self.mesh.device_type) if self.cast else None
+
+        def wrap(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            if half is not None and v.dtype == torch.float32:  # what autocast casts (not fp64)
+                v = v.to(half)
+            if not isinstance(v, dt.DTensor):
+                return dt.DTensor.from_local(v, self.mesh, [dt.Replicate()], run_check=False)
+            if any(not p.is_replicate() for p in v.placements):
+                return v.redistribute(self.mesh, [dt.Replicate()])
+            return v
+        return tree_map(wrap, x)
+
+
+class ToSequence(torch.nn.Module):
+    """A block's exit that stays between blocks as a sequence shard: its partial sums
+    reduce-scattered along ``dim`` (the tokens), a DTensor the token-wise ops after it run on."""
+
+    def __init__(self, mesh: Any, dim: int) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.dim = dim
 
     def forward(self, x: Any) -> Any:
         dt = _dtensor()
 
-        def wrap(v: Any) -> Any:
-            if isinstance(v, torch.Tensor) and not isinstance(v, dt.DTensor):
-                return dt.DTensor.from_local(v, self.mesh, [dt.Replicate()], run_check=False)
+        def scatter(v: Any) -> Any:
+            if isinstance(v, dt.DTensor):
+                return v.redistribute(self.mesh, [dt.Shard(self.dim)])
             return v
-        return tree_map(wrap, x)
+        return tree_map(scatter, x)
 
 
 class ToPlain(torch.nn.Module):
@@ -194,12 +233,15 @@ def _shard_parameters(module: fx.GraphModule, dims: dict[str, int | None], canon
 
 def shard_stage_tensors(module: fx.GraphModule, blocks: Sequence[ShardedBlock], mesh: Any,
                         canonical: dict[str, str] | None = None,
-                        made: dict[int, torch.nn.Parameter] | None = None, *, fsdp_next: bool = False) -> int:
+                        made: dict[int, torch.nn.Parameter] | None = None, *, fsdp_next: bool = False,
+                        sequence: Sequence[tuple[str, int]] = ()) -> int:
     """Cut ``module``'s share of ``blocks`` over ``mesh`` (the stage's tensor-parallel group),
     in place: parameters become DTensor shards, the graph converts at the blocks' borders.
     ``made``: pass one dict to every stage of a rank (a tied weight two of them hold stays one
-    parameter). ``fsdp_next``: FSDP2 will shard the stage next (2-D). Returns how many of the
-    stage's nodes compute on shards."""
+    parameter). ``fsdp_next``: FSDP2 will shard the stage next (2-D). ``sequence``: the plan's
+    sequence-parallel region (:func:`replica.partition.sequence_parallel.sequence_region`):
+    those exits reduce-scatter along their dim and those ops between blocks run on the sequence
+    shards. Returns how many of the stage's nodes compute on shards."""
     # the ops (a value received from another stage keeps its maker's name: it enters whole)
     names = {n.name for n in module.graph.nodes if n.op in ("call_module", "call_function", "call_method")}
     inside = {n for b in blocks for n in b.nodes} & names
@@ -207,10 +249,12 @@ def shard_stage_tensors(module: fx.GraphModule, blocks: Sequence[ShardedBlock], 
         return 0
     canonical = canonical or {}
     register_cpu_attention()
+    seq = {n: d for n, d in sequence if n in names}
+    region = set(seq) - inside  # the token-wise ops between blocks: on sequence shards
     dims: dict[str, int | None] = {p: k for b in blocks if set(b.nodes) & inside for p, k in b.parameters}
-    for n in module.graph.nodes:  # a called module's other parameters (a row-parallel bias): replicated
-        if n.op == "call_module" and n.name in inside:
-            for field, _ in module.get_submodule(str(n.target)).named_parameters(recurse=False):
+    for n in module.graph.nodes:  # a called module's other parameters (a row-parallel bias, a norm's): replicated
+        if n.op == "call_module" and (n.name in inside or n.name in region):
+            for field, _ in module.get_submodule(str(n.target)).named_parameters(recurse=n.name in region):
                 name = f"{n.target}.{field}"
                 dims.setdefault(canonical.get(name, name), None)
     strided = {p: k for b in blocks if set(b.nodes) & inside for p, k in b.strided}
@@ -223,22 +267,13 @@ def shard_stage_tensors(module: fx.GraphModule, blocks: Sequence[ShardedBlock], 
     _shard_parameters(module, dims, canonical, mesh, {} if made is None else made, strided)
     drop_dtype_asserts(module)  # export's dtype checks have no sharding rule (they compute nothing)
     module.add_module(_IN, ToReplicated(mesh))
+    module.add_module(_IN_CAST, ToReplicated(mesh, cast=True))
     module.add_module(_OUT, ToPlain(mesh))
     graph = module.graph
-    wrapped: dict[fx.Node, fx.Node] = {}
     nodes = [n for n in graph.nodes]
-    for n in nodes:
-        if n.name not in inside:
-            continue
-        def entering(a: fx.Node) -> fx.Node:
-            if a.name in inside or a.op == "get_attr" and _is_dtensor(_attr(module, str(a.target))):
-                return a
-            if a not in wrapped:
-                with graph.inserting_after(a):
-                    wrapped[a] = graph.call_module(_IN, (a,))
-            return wrapped[a]
-        n.args = fx.map_arg(n.args, entering)
-        n.kwargs = fx.map_arg(n.kwargs, entering)
+    sharded: set[fx.Node] = {n for n in nodes if n.name in region}  # values held as sequence shards
+    # 1. leaving a block: a sequence-parallel exit reduce-scattered (the region reads the shard,
+    # anything else its gathered copy); any other exit made whole
     for n in nodes:
         if n.name not in inside:
             continue
@@ -247,13 +282,69 @@ def shard_stage_tensors(module: fx.GraphModule, blocks: Sequence[ShardedBlock], 
         outside = [u for u in n.users if u.name not in inside]
         if not outside:
             continue
+        if n.name in seq:
+            scatter = f"_replica_sp_{seq[n.name]}"
+            if not hasattr(module, scatter):
+                module.add_module(scatter, ToSequence(mesh, seq[n.name]))
+            with graph.inserting_after(n):
+                shard = graph.call_module(scatter, (n,))
+            sharded.add(shard)
+            for u in outside:
+                u.replace_input_with(n, shard)
+            continue
         with graph.inserting_after(n):
             plain = graph.call_module(_OUT, (n,))
         for u in outside:
             u.replace_input_with(n, plain)
+    # 2. a sequence shard read outside the region and the blocks (a stage output, a loss): gathered
+    for n in list(sharded):
+        others = [u for u in n.users if u.name not in inside and u not in sharded and not _reads_metadata(u)]
+        if others:
+            with graph.inserting_after(n):
+                plain = graph.call_module(_OUT, (n,))
+            for u in others:
+                u.replace_input_with(n, plain)
+    # 3. entering a block or the region: a replicated DTensor (a shard gathered for a block)
+    wrapped: dict[tuple[fx.Node, str], fx.Node] = {}
+    for n in nodes:
+        if n.name not in inside and n.name not in region:
+            continue
+        target = _IN_CAST if n.name in inside and _linear(module, n) else _IN
+
+        def entering(a: fx.Node) -> fx.Node:
+            if a.name in inside and n.name in inside or a in sharded and n.name in region \
+                    or a.op == "get_attr" and _is_dtensor(_attr(module, str(a.target))):
+                return a
+            if (a, target) not in wrapped:
+                with graph.inserting_after(a):
+                    wrapped[a, target] = graph.call_module(target, (a,))
+            return wrapped[a, target]
+        n.args = fx.map_arg(n.args, entering)
+        n.kwargs = fx.map_arg(n.kwargs, entering)
     graph.lint()
     module.recompile()
-    return len(inside)
+    return len(inside) + len(region)
+
+
+def _reads_metadata(node: fx.Node) -> bool:
+    """Whether ``node`` only reads a tensor's shape, dtype or device (a DTensor answers with
+    the whole tensor's)."""
+    if node.op == "call_method":
+        return node.target in ("size", "dim")
+    if node.op == "call_function":
+        if node.target is getattr:
+            return len(node.args) > 1 and node.args[1] in ("shape", "dtype", "device", "ndim", "requires_grad")
+        return "sym_size" in str(node.target)
+    return False
+
+
+def _linear(module: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is a linear layer (a ``Linear`` module, GPT-2's ``Conv1D``, ``F.linear``,
+    ``addmm``): autocast casts what it reads."""
+    if node.op == "call_module":
+        return type(module.get_submodule(str(node.target))).__name__ in ("Linear", "Conv1D")
+    name = str(getattr(node.target, "__name__", node.target))
+    return name.split(".")[0].lstrip("_") in ("linear", "addmm")
 
 
 def _vector(module: torch.nn.Module, name: str, canonical: dict[str, str]) -> bool:

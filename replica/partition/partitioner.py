@@ -25,6 +25,7 @@ from replica.partition.cost import CostModel
 from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo, fingerprint
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
 from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
+from replica.units import format_bytes
 
 __all__ = ["MemoryModel", "partition", "in_flight_microbatches", "weight_copy_bytes", "fsdp_unit",
            "units_in_flight", "reshard", "MAX_EXACT_POSITIONS"]
@@ -127,6 +128,11 @@ def weight_copy_bytes(graph: Graph, nodes: Sequence[Node]) -> int:
 
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # as replica.parallel.fsdp groups leaves into units
+
+
+# Two cuts within 1% of the optimal bottleneck cost about the same: the one at a block boundary wins
+# (a stage of whole transformer layers, not one ending after a layer's first norm); benchmarks/RESULTS.md
+BLOCK_TIE = 0.01
 
 
 def fsdp_unit(name: str) -> str:
@@ -374,8 +380,11 @@ def partition(
             c[memory_matrix(k) > budgets[k]] = INF
         return c
 
+    units = [fsdp_unit(x.module_path or "") for x in nodes]  # a node's block: model.layers.3, or ""
+    at_block = np.array([0 < edges[s] < len(nodes) and units[edges[s] - 1] != units[edges[s]]
+                         for s in range(num_seg + 1)])
     try:
-        result = solve(stage_cost, num_stages)
+        result = solve(stage_cost, num_stages, preferred_cuts=at_block if at_block.any() else None, tie=BLOCK_TIE)
     except ValueError:
         raise _infeasible(graph, num_stages, budgets, (static, activation, recv), schedule, m, num_seg,
                           memory_model.recompute) from None
@@ -498,8 +507,9 @@ def _infeasible(graph: Graph, num_stages: int, budgets: list[float],
     hint = f"the smallest num_stages that fits is {fits}" if fits else \
         "no stage count up to the number of cut points fits"
     return PartitionError(
-        f"{graph.model_name or 'the model'} does not fit in {num_stages} stages of {budget / 2**30:.2f} GiB: the "
-        f"best partition needs {need(num_stages) / 2**30:.2f} GiB on its fullest stage (weights, gradients, "
+        f"{graph.model_name or 'the model'} does not fit in {num_stages} stage{'s' if num_stages != 1 else ''} of "
+        f"{format_bytes(budget)}: the best partition needs {format_bytes(need(num_stages))} on its fullest stage "
+        "(weights, gradients, "
         f"optimizer state and in-flight activations); {hint}. Use more stages (or ranks), fewer micro-batches "
         "in flight (schedule='1f1b'), recompute=True, a lighter optimizer, or a larger memory_budget."
     )

@@ -11,7 +11,7 @@ from typing import Any
 from replica.errors import ConfigError
 from replica.layout import Layout
 from replica.partition.tensor_parallel import ShardedBlock
-from replica.units import format_bytes, format_seconds
+from replica.units import format_bytes, format_flop_rate, format_seconds
 
 __all__ = ["BoundaryTensor", "MemoryBreakdown", "StagePlan", "Plan"]
 
@@ -147,6 +147,9 @@ class Plan:
     # the structures cut across the layout's tensor-parallel ranks (replica.partition.
     # tensor_parallel): () with tensor_parallel_size 1, or where nothing in the graph shards
     tensor_parallel: tuple[ShardedBlock, ...] = ()
+    # with layout.sequence_parallel: (node, dim) of each value between those blocks held as a
+    # sequence shard (replica.partition.sequence_parallel); () without, or where none has such a dim
+    sequence_shards: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -258,9 +261,16 @@ class Plan:
             kinds[b.kind] = kinds.get(b.kind, 0) + 1
         cut = ", ".join(f"{n} {kind}{'s' if n != 1 and kind != 'attention' else ''}" for kind, n in kinds.items())
         busiest = max(self.stages, key=lambda s: s.tensor_parallel_s)
+        if self.layout.sequence_parallel:
+            sequence = (f"; sequence parallel: {len(self.sequence_shards)} values between blocks hold 1/{t} of the "
+                        "tokens (exits reduce-scatter, entries all-gather)" if self.sequence_shards else
+                        "; sequence parallel, but no value between blocks is a (batch, tokens, features) tensor: "
+                        "the exits all-reduce as without it")
+        else:
+            sequence = ""
         return (f"tensor parallel: {t} ranks per stage, {cut} cut across them; their collectives (all-reduces, "
                 f"all-gathers, not overlapped) on the busiest stage ({busiest.stage_index}): "
-                f"{_bytes(busiest.tensor_parallel_bytes)} in {_seconds(busiest.tensor_parallel_s)} a step")
+                f"{_bytes(busiest.tensor_parallel_bytes)} in {_seconds(busiest.tensor_parallel_s)} a step{sequence}")
 
     def stage_of(self, node_name: str) -> int:
         for s in self.stages:
@@ -313,6 +323,7 @@ class Plan:
             data["actions"] = tuple(tuple(str(a) for a in actions) for actions in data.get("actions", ()))
             data["action_starts"] = tuple(tuple(float(t) for t in starts) for starts in data.get("action_starts", ()))
             data["tensor_parallel"] = tuple(ShardedBlock.from_dict(b) for b in data.get("tensor_parallel", ()))
+            data["sequence_shards"] = tuple((str(n), int(d)) for n, d in data.get("sequence_shards", ()))
             if version == 1:  # the layout's figures stood at the top
                 ranks = data.pop("pipeline_ranks", 0) or data["num_stages"]
                 data["layout"] = {"schedule": data.pop("schedule"), "num_stages": data.pop("num_stages"),
@@ -353,7 +364,7 @@ class Plan:
                 str(s.stage_index), str(s.num_ops), _bytes(s.memory.parameters),
                 _span(s.module_paths), _seconds(s.forward_time_s + s.backward_time_s),
                 _seconds(s.communication_time_s), _bytes(s.predicted_memory_bytes),
-                ", ".join(f"{_bytes(b.nbytes)}→{'/'.join(map(str, b.destination_stages))}" for b in s.outputs[:3])
+                ", ".join(f"{_sent(b)}→{'/'.join(map(str, b.destination_stages))}" for b in s.outputs[:3])
                 + (" …" if len(s.outputs) > 3 else ""),
             )
         out = io.StringIO()
@@ -381,7 +392,7 @@ class Plan:
             per_device = self.model_flops / self.predicted_step_time_s / max(1, devices)
             mfu = (f", {per_device / self.device_peak_flops:.0%} model-FLOPs utilisation"
                    if self.device_peak_flops else "")
-            lines.append(f"predicted {per_device / 1e12:.1f} TFLOP/s per device{mfu}")
+            lines.append(f"predicted {format_flop_rate(per_device)} per device{mfu}")
         if self.dynamic_dims:
             lines.append("dynamic dims per input (others fixed by torch.export): " + "; ".join(
                 f"input {i}: {', '.join(map(str, dims)) or 'none'}" for i, dims in enumerate(self.dynamic_dims)))
@@ -401,6 +412,11 @@ def _span(paths: tuple[str, ...]) -> str:
     if not paths:
         return "-"
     return paths[0] if len(paths) == 1 else f"{paths[0]} … {paths[-1]}"
+
+
+def _sent(b: BoundaryTensor) -> str:
+    """A send's size; a Python number (a size from the batch's shape, a flag) has none in bytes."""
+    return _bytes(b.nbytes) if b.shape is not None else "a number"
 
 
 def _bytes(n: float) -> str:

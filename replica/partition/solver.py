@@ -94,6 +94,8 @@ def solve(
     num_stages: int,
     *,
     allowed_cuts: Sequence[bool] | np.ndarray | None = None,
+    preferred_cuts: Sequence[bool] | np.ndarray | None = None,
+    tie: float = 0.0,
 ) -> Partition:
     """Cut items ``0..n-1`` into ``num_stages`` non-empty contiguous stages minimising
     the most expensive stage.
@@ -104,6 +106,11 @@ def solve(
     An infeasible stage is ``inf``. ``allowed_cuts[p]`` says whether a cut may fall
     before item p (positions 0 and n are always the ends). Raises ``ValueError`` when
     no finite partition exists.
+
+    ``preferred_cuts[p]``: a cut before item p is preferred (a block boundary). Among the
+    partitions whose bottleneck is within ``tie`` (relative) of the optimum, the fewest cuts
+    that are not preferred win where that takes fewer than the optimal bottleneck's own best;
+    else the optimum stands. Either way the most even of them (sum of squares) is returned.
     """
     if callable(cost):
         first = np.asarray(cost(0), dtype=float)
@@ -138,7 +145,12 @@ def solve(
     # Many partitions share the optimal bottleneck; among them take the one with the
     # smallest sum of squared stage costs, so the other stages are balanced too.
     limit = bottleneck * (1 + 1e-9) + 1e-300
-    bounds = _min_squares(stage_cost, num_stages, n, mask, limit)
+    other = None if preferred_cuts is None else ~np.asarray(preferred_cuts, dtype=bool)
+    bounds, stray = _min_squares(stage_cost, num_stages, n, mask, limit, other)
+    if stray and tie > 0:  # some optimal cut falls off a block boundary: is one within the tie on it?
+        near, fewer = _min_squares(stage_cost, num_stages, n, mask, bottleneck * (1 + tie) + 1e-300, other)
+        if fewer < stray:
+            bounds = near
     stage_costs = tuple(float(stage_cost(k)[bounds[k], bounds[k + 1]]) for k in range(num_stages))
     return Partition(tuple(bounds), max(stage_costs), stage_costs)
 
@@ -154,23 +166,30 @@ def _min_max(stage_cost: "Callable[[int], np.ndarray]", num_stages: int, n: int,
 
 
 def _min_squares(
-    stage_cost: "Callable[[int], np.ndarray]", num_stages: int, n: int, mask: np.ndarray, limit: float
-) -> list[int]:
-    """Bounds minimising the sum of squared stage costs with every stage at most ``limit``."""
+    stage_cost: "Callable[[int], np.ndarray]", num_stages: int, n: int, mask: np.ndarray, limit: float,
+    other: np.ndarray | None = None,
+) -> tuple[list[int], int]:
+    """Bounds with every stage at most ``limit`` minimising, first, the cuts at positions ``other``
+    marks (none: no such count), then the sum of squared stage costs; and that count. One key
+    ``count × big + squares``, ``big`` above any sum of squares under ``limit``."""
+    big = 2.0 * num_stages * limit * limit + 1.0 if other is not None else 0.0
+    penalty = np.zeros(n + 1) if other is None else np.where(other, big, 0.0)
     best = np.full(n + 1, INF)
     best[0] = 0.0
     choice = np.zeros((num_stages, n + 1), dtype=np.int64)
     for k in range(num_stages):
         c = stage_cost(k)
         squared = np.where(c <= limit, c * c, INF)
-        trial = np.where(mask, best, INF)[:, None] + squared
+        start = np.where(mask, best, INF) + (penalty if k > 0 else 0.0)  # stage k > 0 starts at a cut
+        trial = start[:, None] + squared
         choice[k] = np.argmin(trial, axis=0)
         best = trial[choice[k], np.arange(n + 1)]
     bounds = [n]
     for k in range(num_stages - 1, -1, -1):
         bounds.append(int(choice[k, bounds[-1]]))
     bounds.reverse()
-    return bounds
+    stray = 0 if other is None else sum(bool(other[b]) for b in bounds[1:-1])
+    return bounds, stray
 
 
 def brute_force(cost: np.ndarray, num_stages: int, allowed_cuts: Sequence[bool] | None = None) -> float:

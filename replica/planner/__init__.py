@@ -55,6 +55,14 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     if r.tuning:
         world = r.world_size if r.world_size is not None else (r.num_stages or 1)
         schedules = None if r.schedule == "auto" else (r.schedule,)
+        sizes = _worth_cutting(pricing, r.tensor_parallel_choices(pricing.spec.devices_per_node),
+                               r.tensor_parallel_size is not None)
+        if r.sequence_parallel and max(sizes) == 1:
+            raise ConfigError(
+                f"sequence_parallel=True shards the tokens between tensor-parallel blocks, but on {pricing.spec.name} "
+                f"({pricing.spec.devices_per_node} device(s) per node) the tuner may only use "
+                f"tensor_parallel_size=1 here; give tensor_parallel_size=2 or more (a divisor of world_size={world}), "
+                "or sequence_parallel=None / False")
         best, _ = tune(lambda layout, m, within, again, like=None: pricing.partition_for(
                            layout, m, within_budget=within, recompute=again, simulated=within, like=like),
                        lambda plan, layout, schedule: pricing.collectives(pricing.reshard(plan, layout), layout,
@@ -63,10 +71,10 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                        device=pricing.spec, memory_budget=pricing.budget_per_device(), num_stages=r.num_stages,
                        num_microbatches=r.num_microbatches, data_parallel_size=r.replicas_fixed(),
                        recompute=(False, True) if full is None else (full,), shardings=r.shardings,
-                       tensor_parallel_sizes=_worth_cutting(pricing, r.tensor_parallel_choices(
-                           pricing.spec.devices_per_node), r.tensor_parallel_size is not None),
+                       tensor_parallel_sizes=sizes,
                        shard_groups=lambda replicas, per_replica: r.shard_groups(replicas, per_replica,
                                                                                   pricing.spec.devices_per_node),
+                       sequence_parallel=lambda t: _sequence_choices(pricing, r, t),
                        options=r.options, work_for=pricing.work,
                        **({} if schedules is None else {"schedules": schedules}))
         plan = best
@@ -104,6 +112,15 @@ def _worth_cutting(pricing: Pricing, sizes: Sequence[int], asked: bool) -> tuple
     return tuple(t for t in sizes if t == 1 or pricing.blocks_for(t))
 
 
+def _sequence_choices(pricing: Pricing, r: PlanRequest, tensor_parallel_size: int) -> tuple[bool, ...]:
+    """The sequence-parallel settings worth pricing at ``tensor_parallel_size``: the request's
+    choices, but only without where the graph has no value to hold on token shards (the same plan)."""
+    choices = r.sequence_parallel_choices(tensor_parallel_size)
+    if r.sequence_parallel is None and len(choices) > 1 and not pricing.region(tensor_parallel_size):
+        return (False,)
+    return choices
+
+
 def _check_shardable(r: PlanRequest) -> None:
     """A request that must shard names a layout sharding can run: replicas, and a schedule
     that does not split backward."""
@@ -113,16 +130,21 @@ def _check_shardable(r: PlanRequest) -> None:
             f"schedule {r.schedule!r} yet: FSDP reduces a weight's gradient when autograd makes it, before a deferred "
             "W action. Use gpipe, 1f1b or interleaved with sharding, or schedule='auto'")
     if r.replicas_fixed() == 1:
+        where = ("this plans for one process (no world_size=, no process group): run auto_parallel or the Trainer "
+                 "under torchrun (torchrun --nproc_per_node N), or give replica.plan world_size=N; in one process use"
+                 if r.world_size is None else
+                 f"this layout of world_size={r.world_size} has one: give num_stages= or data_parallel_size= that "
+                 "leaves replicas, or")
         raise ConfigError(
             f"sharded_data_parallel={r.sharded_data_parallel!r} shards each stage over its data-parallel replicas, "
-            "but this layout has one: give world_size= (and num_stages= or data_parallel_size=) that leaves "
-            "replicas, or sharded_data_parallel=None / False")
+            f"but {where} sharded_data_parallel=None / False")
 
 
 def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, r: PlanRequest, tie: float) -> Plan:
     """The plan of a layout the request fixed, with the fastest of the shardings it allows
     that fits (predictions within ``tie`` of it: whole replicas if among them, then the one
-    holding least memory, as the tuner takes), each in the shard groups the request allows.
+    holding least memory, as the tuner takes), each in the shard groups the request allows, with
+    and without sequence parallelism where the request leaves it open (without on a tie).
     Where none fits, the error of the leanest (zero3's, where it was tried)."""
     kind = schedule_kind(layout.schedule)
     d = layout.data_parallel_size
@@ -132,15 +154,17 @@ def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool, r: P
                for g in ((d,) if s == "none" else r.shard_groups(d, per_replica, pricing.spec.devices_per_node))]
     plans: list[Plan] = []
     errors: dict[str, PartitionError] = {}
-    for sharding, group in allowed:
+    for (sharding, group), sp in ((a, sp) for a in allowed
+                                  for sp in _sequence_choices(pricing, r, layout.tensor_parallel_size)):
         try:
-            plans.append(pricing.partition_for(dataclasses.replace(layout, sharding=sharding, shard_group_size=group),
-                                               m, recompute=recompute))
+            plans.append(pricing.partition_for(dataclasses.replace(layout, sharding=sharding, shard_group_size=group,
+                                                                   sequence_parallel=sp), m, recompute=recompute))
         except PartitionError as exc:
             errors[sharding] = exc
     if not plans:
         raise errors.get("zero3", next(iter(errors.values())))
     fastest = min(p.predicted_step_time_s for p in plans)
     near = [p for p in plans if p.predicted_step_time_s <= fastest * (1 + tie)]
-    return min(near, key=lambda p: (p.layout.sharded, max(s.predicted_memory_bytes for s in p.stages),
+    return min(near, key=lambda p: (p.layout.sharded, p.layout.sequence_parallel,
+                                    max(s.predicted_memory_bytes for s in p.stages),
                                     p.predicted_step_time_s))

@@ -24,11 +24,13 @@ from replica.partition.graph import Graph
 from replica.partition.partitioner import MemoryModel, fsdp_unit, partition, reshard
 from replica.partition.plan import Plan
 from replica.partition.profile import profile
+from replica.partition.sequence_parallel import sequence_region
 from replica.partition.tensor_parallel import ShardedBlock, find_blocks
 from replica.partition.trace import Traced
 from replica.planner.costs import stage_costs_from_plan
 from replica.planner.dataparallel import StageWeights, with_collectives
 from replica.planner.options import PlannerOptions
+from replica.planner.sequence_parallel import sequence_costs, sequence_graph
 from replica.planner.tensor_parallel import MEMORY_SHARE, blocks_for, sharded_costs, sharded_graph, together
 from replica.precision import autocast_dtype
 from replica.runtime import microbatch
@@ -99,12 +101,13 @@ class Pricing:
             memory_model, gather_dtype=None if half is None else str(half).removeprefix("torch."))
         self._weights: dict[tuple[int, tuple[str, ...]], StageWeights] = {}
         self._blocks: list[ShardedBlock] | None = None
-        self._graphs: dict[int, Graph] = {}
-        self._tp_costs: dict[int, TensorParallelCosts | None] = {}
+        self._graphs: dict[tuple[int, bool], Graph] = {}
+        self._tp_costs: dict[tuple[int, bool], TensorParallelCosts | None] = {}
         self._cut: dict[int, tuple[ShardedBlock, ...]] = {}
-        self._models: dict[tuple[DeviceSpec, float, int], CostModel] = {}
-        self._work: dict[tuple[int, int, int, bool], float] = {}
-        self._positions: dict[int, dict[str, int]] = {}
+        self._sequence: dict[int, tuple[tuple[str, int], ...]] = {}
+        self._models: dict[tuple[DeviceSpec, float, int, bool], CostModel] = {}
+        self._work: dict[tuple[int, int, int, bool, bool], float] = {}
+        self._positions: dict[tuple[int, bool], dict[str, int]] = {}
         self.graded, self.options = graded, options
         self.batch = microbatch.batch_size(inputs, "example_inputs")
         self.batch_scale = batch_scale
@@ -185,27 +188,52 @@ class Pricing:
         return sum(cut.forward_time(n) + cut.backward_time(n) for n in nodes) \
             < sum(whole.forward_time(n) + whole.backward_time(n) for n in nodes)
 
-    def graph_for(self, tensor_parallel_size: int = 1) -> Graph:
-        """The priced graph as one rank of a ``tensor_parallel_size`` group holds it."""
-        t = tensor_parallel_size
-        if t not in self._graphs:
-            self._graphs[t] = sharded_graph(self.graph, self.blocks_for(t), t) if t > 1 else self.graph
-        return self._graphs[t]
+    def graph_for(self, tensor_parallel_size: int = 1, sequence_parallel: bool = False) -> Graph:
+        """The priced graph as one rank of a ``tensor_parallel_size`` group holds it (with the
+        tokens between blocks cut where ``sequence_parallel``)."""
+        t, sp = tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1
+        if (t, sp) not in self._graphs:
+            if sp:
+                self._graphs[t, sp] = sequence_graph(self.graph_for(t), self.blocks_for(t), self.region(t), t)
+            else:
+                self._graphs[t, sp] = sharded_graph(self.graph, self.blocks_for(t), t) if t > 1 else self.graph
+        return self._graphs[t, sp]
 
-    def tensor_parallel_costs(self, tensor_parallel_size: int) -> TensorParallelCosts | None:
-        t = tensor_parallel_size
-        if t not in self._tp_costs:
-            self._tp_costs[t] = sharded_costs(self.graph, self.blocks_for(t), t) if t > 1 else None
-        return self._tp_costs[t]
+    def tensor_parallel_costs(self, tensor_parallel_size: int,
+                              sequence_parallel: bool = False) -> TensorParallelCosts | None:
+        t, sp = tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1
+        if (t, sp) not in self._tp_costs:
+            if sp:
+                self._tp_costs[t, sp] = sequence_costs(self.graph, self.blocks_for(t), t, self.region(t))
+            else:
+                self._tp_costs[t, sp] = sharded_costs(self.graph, self.blocks_for(t), t) if t > 1 else None
+        return self._tp_costs[t, sp]
 
-    def cost_model(self, spec: DeviceSpec, batch_fraction: float, tensor_parallel_size: int = 1) -> CostModel:
-        """The cost model of ``spec`` at ``batch_fraction`` for one rank of ``tensor_parallel_size``,
-        made once: it prices each op once per micro-batch count, for every cut the tuner makes."""
-        key = (spec, batch_fraction, tensor_parallel_size)
+    def sequence_shards(self, layout: Layout) -> tuple[tuple[str, int], ...]:
+        """The values held as sequence shards between the blocks ``layout`` cuts (none without
+        ``layout.sequence_parallel``), found once per tensor-parallel size."""
+        if not layout.sequence_parallel or layout.tensor_parallel_size <= 1:
+            return ()
+        return self.region(layout.tensor_parallel_size)
+
+    def region(self, tensor_parallel_size: int) -> tuple[tuple[str, int], ...]:
+        """The values sequence parallelism holds on token shards at ``tensor_parallel_size``."""
+        t = tensor_parallel_size
+        if t not in self._sequence:
+            self._sequence[t] = sequence_region(self.graph, self.blocks_for(t), t)
+        return self._sequence[t]
+
+    def cost_model(self, spec: DeviceSpec, batch_fraction: float, tensor_parallel_size: int = 1,
+                   sequence_parallel: bool = False) -> CostModel:
+        """The cost model of ``spec`` at ``batch_fraction`` for one rank of ``tensor_parallel_size``
+        (``sequence_parallel`` or not), made once: it prices each op once per micro-batch count,
+        for every cut the tuner makes."""
+        key = (spec, batch_fraction, tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1)
         if key not in self._models:
             self._models[key] = CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
                                           measured_fraction=self.measured_fraction,
-                                          tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size))
+                                          tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size,
+                                                                                     sequence_parallel))
         return self._models[key]
 
     def work(self, layout: Layout, num_microbatches: int, recompute: bool) -> float:
@@ -214,13 +242,13 @@ class Pricing:
         what its pipeline ranks share, however it is cut (0 where stages run on different devices)."""
         if self.devices is not None:
             return 0.0
-        t, m = layout.tensor_parallel_size, num_microbatches
-        key = (layout.data_parallel_size, t, m, recompute)
+        t, m, sp = layout.tensor_parallel_size, num_microbatches, layout.sequence_parallel
+        key = (layout.data_parallel_size, t, m, recompute, sp)
         if key not in self._work:
-            cm = self.cost_model(self.spec, self.batch_fraction(layout), t)
+            cm = self.cost_model(self.spec, self.batch_fraction(layout), t, sp)
             again = 2 if recompute else 1
             self._work[key] = sum(again * cm.forward_time(n, m) + cm.backward_time(n, m)
-                                  for n in self.graph_for(t).op_nodes)
+                                  for n in self.graph_for(t, sp).op_nodes)
         return self._work[key]
 
     def memory_model_for(self, layout: Layout, recompute: bool) -> MemoryModel:
@@ -232,7 +260,8 @@ class Pricing:
     def reshard(self, plan: Plan, layout: Layout) -> Plan:
         """``plan``, cut unsharded, laid out as ``layout``: its stages' memory as that sharding
         holds it, and ``layout`` its own (what it sends early, how it reduces, follows from it)."""
-        held = reshard(self.graph_for(layout.tensor_parallel_size), plan, self.memory_model_for(layout, plan.recompute))
+        held = reshard(self.graph_for(layout.tensor_parallel_size, layout.sequence_parallel), plan,
+                       self.memory_model_for(layout, plan.recompute))
         return dataclasses.replace(held, layout=layout)
 
     def stage_weights(self, parameter_names: tuple[str, ...], tensor_parallel_size: int = 1) -> StageWeights:
@@ -268,12 +297,13 @@ class Pricing:
                 extra[r] = max(extra.get(r, 0.0), st.activation_bytes / plan.num_microbatches)
         return all(held[r] + extra.get(r, 0.0) <= self.budget_per_device() for r in held)
 
-    def _bounds_of(self, plan: Plan, tensor_parallel_size: int) -> list[int]:
-        """The node positions ``plan``'s stages start at, in the graph it was cut from."""
-        graph = self.graph_for(tensor_parallel_size)
-        if tensor_parallel_size not in self._positions:
-            self._positions[tensor_parallel_size] = {n.name: i for i, n in enumerate(graph.nodes)}
-        index = self._positions[tensor_parallel_size]
+    def _bounds_of(self, plan: Plan, layout: Layout) -> list[int]:
+        """The node positions ``plan``'s stages start at, in the graph ``layout`` cuts."""
+        key = (layout.tensor_parallel_size, layout.sequence_parallel)
+        graph = self.graph_for(*key)
+        if key not in self._positions:
+            self._positions[key] = {n.name: i for i, n in enumerate(graph.nodes)}
+        index = self._positions[key]
         return [0, *(index[st.node_names[0]] for st in plan.stages[1:]), len(graph.nodes)]
 
     def partition_for(self, layout: Layout, num_microbatches: int, *, within_budget: bool = True,
@@ -302,17 +332,20 @@ class Pricing:
         specs = self.specs(layout.num_stages)
         t = layout.tensor_parallel_size
         by_spec: dict[int, CostModel] = {}
-        models = [by_spec.setdefault(id(sp), self.cost_model(sp, batch_fraction, t)) for sp in specs]
+        models = [by_spec.setdefault(id(sp), self.cost_model(sp, batch_fraction, t, layout.sequence_parallel))
+                  for sp in specs]
         blocks = self.blocks_for(t)
         schedule_data = make_schedule(layout.schedule, layout.num_stages, m, layout.pipeline_ranks, check=simulated)
         where = placement(schedule_data)
-        result = partition(self.graph_for(t), models, num_stages=layout.num_stages, num_microbatches=m,
+        result = partition(self.graph_for(t, layout.sequence_parallel), models, num_stages=layout.num_stages,
+                           num_microbatches=m,
                            schedule=layout.schedule, memory_model=self.memory_model_for(layout, recompute),
                            memory_budget=self.memory_budget if within_budget else None,
                            in_flight=max_in_flight(schedule_data, layout.num_stages),
                            stage_ranks=[where[k] for k in range(layout.num_stages)], together=together(blocks),
-                           bounds=None if like is None else self._bounds_of(like, t))
+                           bounds=None if like is None else self._bounds_of(like, layout))
         result = dataclasses.replace(result, layout=layout, tensor_parallel=blocks,
+                                     sequence_shards=self.sequence_shards(layout),
                                      early_input_grads=not recompute and self._early_fits(result, where))
         if not simulated:
             return dataclasses.replace(result, precision=self.precision,

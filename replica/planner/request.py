@@ -50,6 +50,10 @@ class PlanningOptions:
     ``"zero2"`` as priced, or the one named; False: whole copies; None: the planner decides),
     ``shard_group_size`` (HSDP: the replicas of each FSDP shard group, the groups replicating each
     other; None: the planner weighs one group of every replica against groups that fit a node),
+    ``sequence_parallel`` (Megatron's sequence parallelism, with ``tensor_parallel_size`` > 1: the
+    norms, dropouts and residuals between tensor-parallel blocks hold a shard of the tokens, a
+    block's entry all-gathers them and its exit reduce-scatters; True, False, or None: the
+    planner prices both),
     ``recompute`` (True: keep only stage inputs and run the forward again in backward;
     ``"pointwise"``: rebuild GELU / SiLU outputs in backward on stages that hold several
     micro-batches; False: neither; None: the tuner decides), ``mixed_precision`` (None: fp32, or
@@ -79,6 +83,7 @@ class PlanningOptions:
     tensor_parallel_size: int | None = None
     sharded_data_parallel: bool | str | None = None
     shard_group_size: int | None = None
+    sequence_parallel: bool | None = None
     recompute: bool | str | None = None
     mixed_precision: Any = None
     device: Any = None
@@ -119,6 +124,14 @@ class PlanningOptions:
                 f"shard_group_size={g} does not divide data_parallel_size={d}: each shard group holds {g} replicas "
                 f"and the groups replicate each other. Use shard_group_size in "
                 f"{[k for k in range(1, d + 1) if d % k == 0]}")
+        if self.sequence_parallel not in (None, True, False):
+            raise ConfigError(f"sequence_parallel must be True, False or None (the planner decides), got "
+                              f"{self.sequence_parallel!r}")
+        if self.sequence_parallel is True and self.tensor_parallel_size == 1:
+            raise ConfigError(
+                "sequence_parallel=True shards the tokens between tensor-parallel blocks across each stage's "
+                "tensor-parallel ranks, but tensor_parallel_size=1; use tensor_parallel_size=2 or more (a divisor of "
+                "the world size), or sequence_parallel=False / None")
         if not (self.recompute is None or isinstance(self.recompute, bool) or self.recompute == "pointwise"):
             raise ConfigError(
                 f"recompute must be True (keep only stage inputs, run the forward again in backward), "
@@ -213,10 +226,18 @@ class PlanRequest(PlanningOptions):
         if self.world_size is None and self.data_parallel_size not in (None, 1):
             raise ConfigError(
                 f"data_parallel_size={self.data_parallel_size} needs a world of processes: give world_size= to "
-                "replica.plan, or run auto_parallel under torchrun"
+                "replica.plan, or start auto_parallel or the Trainer under torchrun (torchrun --nproc_per_node N, N "
+                f"a multiple of {self.data_parallel_size}); this runs in one process, which has no replicas: leave "
+                "data_parallel_size None here"
             )
         self._check_world()
         self._check_tensor_parallel()
+        if self.sequence_parallel is True and self.tensor_parallel_fixed() == 1:
+            raise ConfigError(
+                "sequence_parallel=True shards the tokens between tensor-parallel blocks, but this plan has one "
+                "tensor-parallel rank per stage (" + ("one process" if self.world_size is None else
+                                                      "a layout fixed without tensor_parallel_size") +
+                "); give world_size= and tensor_parallel_size=2 or more, or sequence_parallel=False / None")
         if self.world_size is not None and self.num_stages is not None:
             self._check_stages_fit()
 
@@ -307,6 +328,15 @@ class PlanRequest(PlanningOptions):
         if isinstance(asked, str):
             return (asked,)
         return ("zero3", "zero2") if asked else ("none",)
+
+    def sequence_parallel_choices(self, tensor_parallel_size: int) -> tuple[bool, ...]:
+        """The sequence-parallel settings to price at ``tensor_parallel_size``: the one asked
+        (True only where it cuts: none at one rank), else both where it cuts."""
+        if tensor_parallel_size <= 1:
+            return () if self.sequence_parallel else (False,)
+        if self.sequence_parallel is None:
+            return (False, True)
+        return (self.sequence_parallel,)
 
     def shard_groups(self, replicas: int, ranks_per_replica: int, devices_per_node: int) -> tuple[int, ...]:
         """The shard-group sizes to price for ``replicas`` sharded replicas of

@@ -17,7 +17,8 @@ another. One rank of the group then prices:
 - collectives over the group, per micro-batch, on the critical path (added to the op's
   forward / backward, not overlapped): an exit's output all-reduced in forward (ring, 2
   passes), or all-gathered (1 pass, then whole) where the block ``gathers``; each floating
-  entry's gradient all-reduced in backward (2 passes), Megatron's f / g operators; under
+  entry's gradient all-reduced in backward (2 passes; in autocast's dtype where the block's
+  linears read it so, :func:`entry_bytes`), Megatron's f / g operators; under
   recompute the forward's run again in backward (:func:`sharded_costs`);
 - the pipeline never cuts inside a block (:func:`together`): a block's ops, parameters and
   collectives are one stage's; the tensors crossing a cut are whole, and every rank of the
@@ -33,8 +34,8 @@ from replica.partition.cost import TensorParallelCosts
 from replica.partition.graph import Graph, TensorInfo
 from replica.partition.tensor_parallel import ShardedBlock
 
-__all__ = ["MEMORY_SHARE", "linked", "blocks_for", "sharded_graph", "sharded_costs", "together", "tensor_parallel_choices",
-           "sharded_modules"]
+__all__ = ["MEMORY_SHARE", "linked", "blocks_for", "sharded_graph", "sharded_costs", "together",
+           "tensor_parallel_choices", "sharded_modules", "entry_bytes"]
 
 
 MEMORY_SHARE = 0.01  # a block holding this share of the model's parameter bytes is cut even where its time does not pay
@@ -120,10 +121,22 @@ def sharded_costs(graph: Graph, blocks: Sequence[ShardedBlock], size: int) -> Te
         for e in b.entries:
             node = graph[e]
             if any(t.is_floating for t in node.outputs):
-                backward.setdefault(first, []).append((float(node.output_bytes), 2))
+                backward.setdefault(first, []).append((float(entry_bytes(graph, b, e)), 2))
     return TensorParallelCosts(size=size, sharded=frozenset(n for b in blocks for n in b.nodes),
                                forward={k: tuple(v) for k, v in forward.items()},
                                backward={k: tuple(v) for k, v in backward.items()})
+
+
+def entry_bytes(graph: Graph, block: ShardedBlock, entry: str) -> int:
+    """The bytes of ``block``'s ``entry`` as it crosses the group: cast to autocast's half
+    precision where the block's linears read it in it (the runtime casts it on entering, so its
+    gradient's reduction moves half the bytes of an fp32 one), else its own."""
+    node = graph[entry]
+    half = {graph[u].compute_dtype for u in node.users if u in block.nodes} & {"bfloat16", "float16"}
+    if half:
+        return sum(t.numel * 2 if t.is_floating and t.dtype in ("float32", "float64") else t.nbytes
+                   for t in node.outputs)
+    return node.output_bytes
 
 
 def together(blocks: Sequence[ShardedBlock]) -> tuple[tuple[str, ...], ...]:

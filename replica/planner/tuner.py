@@ -196,6 +196,7 @@ def tune(
     tensor_parallel_sizes: Sequence[int] = (1,),
     shard_groups: Callable[[int, int], Sequence[int]] = lambda replicas, ranks_per_replica: (replicas,),
     options: PlannerOptions = PlannerOptions(),
+    sequence_parallel: Callable[[int], Sequence[bool]] = lambda tensor_parallel_size: (False,),
     work_for: Callable[[Layout, int, bool], float] | None = None,
 ) -> tuple[Plan, list[Candidate]]:
     """Search the layouts of ``world_size`` devices for the fastest that fits a global ``batch``.
@@ -209,7 +210,7 @@ def tune(
     where the layout allows it: more than one replica and a schedule that does not split backward,
     each sharded one in the shard groups ``shard_groups(replicas, ranks per replica)`` gives (HSDP
     where a group is smaller than the replicas); and each of ``tensor_parallel_sizes`` that
-    divides the world.
+    divides the world, with each of ``sequence_parallel(tensor_parallel_size)``.
     Returns the best plan (with ``predicted_step_time_s``, its layout and the alternatives
     filled in) and the candidates simulated, best first. Raises ``PartitionError`` naming the
     world that would fit.
@@ -226,9 +227,10 @@ def tune(
     state alone exceed the budget (unless nothing fits: the error then names the leanest).
     """
     candidates: list[Candidate] = []
-    plans: dict[tuple[int, int, bool, int, int], Plan | None] = {}
-    cuts: dict[tuple[int, int, bool, int], Plan] = {}  # the first cut of each (stages, replicas, recompute, tp)
-    queued: list[tuple[float, int, tuple[int, int, bool, int, int], Layout]] = []
+    plans: dict[tuple[int, int, bool, int, int, bool], Plan | None] = {}
+    # the first cut of each (stages, replicas, recompute, tp, sequence parallel)
+    cuts: dict[tuple[int, int, bool, int, bool], Plan] = {}
+    queued: list[tuple[float, int, tuple[int, int, bool, int, int, bool], Layout]] = []
     for tp, ranks in ((t, r) for t in tensor_parallel_sizes if world_size % t == 0
                       for r in _divisors(world_size // t)):
         if ranks > options.max_pipeline_ranks and num_stages is None:
@@ -243,13 +245,14 @@ def tune(
             stages = ranks * kind.stages_per_rank
             if (ranks == 1 and stages > 1) or stages > num_ops or (num_stages is not None and stages != num_stages):
                 continue
-            for sharding, group in ((s, g) for s in shardings
-                                    for g in ((None,) if s == "none" else shard_groups(replicas, ranks * tp))):
+            for sharding, group, sp in ((s, g, sp) for s in shardings
+                                        for g in ((None,) if s == "none" else shard_groups(replicas, ranks * tp))
+                                        for sp in sequence_parallel(tp)):
                 if sharding != "none" and (replicas == 1 or kind.splits_backward):
                     continue
                 layout = Layout(schedule=name, num_stages=stages, pipeline_ranks=ranks, data_parallel_size=replicas,
                                 tensor_parallel_size=tp, sharding=sharding,
-                                shard_group_size=None if group in (None, replicas) else group)
+                                shard_group_size=None if group in (None, replicas) else group, sequence_parallel=sp)
                 for again in recompute:
                     for m in _microbatch_choices(batch // replicas, ranks, num_microbatches, stages,
                                                  options.max_simulated_actions):
@@ -258,7 +261,7 @@ def tune(
                         # a bound before any cut: the replica's compute shared evenly by its ranks
                         early = work_for(layout, m, again) / ranks if work_for is not None else 0.0
                         # priced at this micro-batch size: an op whose tensors fit the cache at m runs faster
-                        queued.append((early, len(queued), (stages, replicas, again, m, tp), layout))
+                        queued.append((early, len(queued), (stages, replicas, again, m, tp, sp), layout))
     # the schedules quick to make first (their best sets the bar), then the zero-bubble ones,
     # whose list-scheduled orders take seconds at hundreds of stages: each in the order of its
     # bound, best first. A configuration comes first with its bound before the cut; where that
@@ -282,19 +285,19 @@ def tune(
         if pruned(bound, layout):
             continue
         if key not in plans:
-            stages, replicas, again, m, tp = key
+            stages, replicas, again, m, tp, sp = key
             # without a cache model an op's price is linear in the micro-batch count, but for its
             # launches: the same stages at another count keep their cuts (priced again, not solved)
-            like = cuts.get((stages, replicas, again, tp)) if device.cache_bandwidth <= 0 else None
+            like = cuts.get((stages, replicas, again, tp, sp)) if device.cache_bandwidth <= 0 else None
             try:  # memory is checked per layout below, so this cut ignores the budget
                 cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
-                             data_parallel_size=replicas, tensor_parallel_size=tp)
+                             data_parallel_size=replicas, tensor_parallel_size=tp, sequence_parallel=sp)
                 plans[key] = partition_for(cut, m, False, again) if like is None else \
                     partition_for(cut, m, False, again, like)
             except PartitionError:
                 plans[key] = None
             if plans[key] is not None:
-                cuts.setdefault((stages, replicas, again, tp), plans[key])
+                cuts.setdefault((stages, replicas, again, tp, sp), plans[key])
         plan = plans[key]
         if plan is None:
             continue
@@ -345,10 +348,11 @@ def tune(
     # predictions closer than the model can tell apart are a tie: take whole replicas if one is
     # among them (sharding hands the user DTensor shards and adds collectives, for memory the
     # tie says is not needed), then the fewest tensor-parallel ranks (fewer collectives the model
-    # cannot see overlap or contend), then the one holding least memory
+    # cannot see overlap or contend), then without sequence parallelism (half the collectives
+    # of the same bytes), then the one holding least memory
     near = [c for c in fitting if c.step_time_s <= fitting[0].step_time_s * (1 + options.tie)]
-    best = min(near, key=lambda c: (c.layout.sharded, c.layout.tensor_parallel_size, c.peak_memory_bytes,
-                                    c.step_time_s))
+    best = min(near, key=lambda c: (c.layout.sharded, c.layout.tensor_parallel_size, c.layout.sequence_parallel,
+                                    c.peak_memory_bytes, c.step_time_s))
     fitting.remove(best)
     fitting.insert(0, best)
     final = partition_for(best.layout, best.num_microbatches, True, best.recompute)

@@ -15,7 +15,8 @@ __all__ = ["Reporter"]
 class Reporter:
     """Progress and metrics of one process; silent unless ``enabled`` (the rank that reports).
 
-    ``progress``: a bar on a terminal (or notebook), one summary line per epoch otherwise.
+    ``progress``: a bar on a terminal (or notebook); elsewhere a line every ``log_every_steps``
+    steps and one per epoch.
     ``metrics_file``: one JSON object per line, appended, every ``log_every_steps`` steps
     (``"event": "train"``), per epoch (``"epoch"``), per evaluation and on resume.
     """
@@ -66,15 +67,22 @@ class Reporter:
         self._bar.start()
         self._task = self._bar.add_task("train", total=num_batches, completed=done, loss="-", rate="-")
 
-    def step(self, *, step: int, epoch: int, loss: float, samples: int, rate: float, lr: float | None) -> None:
+    def step(self, *, step: int, epoch: int, loss: float, samples: int, rate: float, lr: float | None,
+             num_epochs: int | None = None) -> None:
         self._window.append((loss * samples, samples))
         if self._bar is not None:
             self._bar.update(self._task, advance=1, loss=f"{loss:.4f}", rate=f"{rate:.0f}")
         if step % self.log_every_steps == 0 and self._window:
             n = sum(s for _, s in self._window)
             elapsed = time.perf_counter() - self._window_start
-            self.record("train", step=step, epoch=epoch, loss=sum(l for l, _ in self._window) / n,
+            mean = sum(weighted for weighted, _ in self._window) / n
+            self.record("train", step=step, epoch=epoch, loss=mean,
                         samples_per_s=n / elapsed if elapsed > 0 else None, lr=lr)
+            if self._bar is None:  # off a terminal (a log file, torchrun's output): a plain line instead of a bar
+                of = f"/{num_epochs}" if num_epochs is not None else ""
+                self.say(f"step {step} (epoch {epoch + 1}{of}): loss {mean:.4f}"
+                         + (f", {n / elapsed:.0f} samples/s" if elapsed > 0 else "")
+                         + (f", lr {lr:.3g}" if lr is not None else ""))
             self._window, self._window_start = [], time.perf_counter()
 
     def end_epoch(self, summary: dict[str, Any], num_epochs: int) -> None:

@@ -33,16 +33,20 @@ from torch.utils._pytree import tree_map
 
 from replica.amp import GradScaler
 from replica.api import PipelineModel, auto_parallel
+from replica.checkpoint import lock
 from replica.checkpoint import store as ckpt
 from replica.defaults import TrainerConfig, default_config
 from replica.errors import ConfigError
 from replica.meta import stage_device
+from replica.process_group import ensure_process_group
 from replica.runtime import heap, microbatch
 from replica.train.data import Batch, DataSource, Inputs, LoaderSource, make_source, num_samples_in, pad
+from replica.train.loss import ModelLoss
 from replica.train.metrics import batch_sums, metric_names
 from replica.train.optim import OptimizerFactory, make_optimizer
 from replica.train.report import Reporter
-from replica.train.state import load_into_pipeline, shard_of
+from replica.train.state import OTHER_MODEL, load_into_pipeline, save_pipeline
+from replica.weights import WeightsError
 
 __all__ = ["Trainer", "get_trainer"]
 
@@ -78,15 +82,19 @@ class Trainer:
                  optimizer: torch.optim.Optimizer | OptimizerFactory, *, keep_freed_memory: bool = False,
                  init: Init | None = None, weights: str | os.PathLike[str] | None = None) -> None:
         self.config = config
+        # under torchrun with no process group yet: start it now, before any rank reads a checkpoint
+        ensure_process_group("replica.get_trainer", config.model_device or next(model.parameters()).device,
+                             timeout_s=config.timeout_s)
         if keep_freed_memory:  # asked for: process-wide, for the rest of the process (runtime/heap.py)
             heap.keep_freed_memory()
         self._on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        if config.model_device is not None and not self._on_meta:  # a meta model's stages: where auto_parallel puts them
+        if config.model_device is not None and not self._on_meta:  # a meta model: auto_parallel places its stages
             device = config.model_device
             if device.type == "cuda" and device.index is None and _distributed():
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             model.to(device)  # parameters stay the same objects: the optimizer still points at them
         self.model, self.loss, self._optimizer_arg = model, loss, optimizer
+        self._loss_fn = ModelLoss(loss)  # a torch loss scores a ModelOutput's logits
         self._init, self._weights = init, weights
         self.device = next(model.parameters()).device
         self.loss_reduction = getattr(loss, "reduction", "mean")
@@ -105,9 +113,11 @@ class Trainer:
         self._call = self._call_start_epoch = 0
         self._calls = 0
         self._resume_checked = False
+        self._writing = False  # this job holds checkpoint_dir's writer lock (train_dataset, save_checkpoint)
         self.scaler: GradScaler | None = None  # fp16's loss scaler, made with the pipeline
         self._resumed: dict[str, Any] | None = None  # the trainer state of the checkpoint loaded, until its call
         self._last_saved_step: int | None = None
+        self._pending: ckpt.PendingSave | None = None  # a background save not yet published
         self._due = False  # a checkpoint fell due on an epoch's last step
         self._run: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
@@ -160,8 +170,15 @@ class Trainer:
         planning = c.planning()
         if c.model_device is not None:  # the model was moved there: priced as where it runs
             planning["device"] = None
-        pm = auto_parallel(self.model, args, example_kwargs=kwargs, loss_fn=self.loss,
-                           loss_reduction=self.loss_reduction, timeout_s=c.timeout_s, **materialize, **planning)
+        try:
+            pm = auto_parallel(self.model, args, example_kwargs=kwargs, loss_fn=self._loss_fn,
+                               loss_reduction=self.loss_reduction, timeout_s=c.timeout_s, **materialize, **planning)
+        except WeightsError as exc:
+            if checkpoint is None:
+                raise
+            listing = str(exc).rsplit("\n", 1)[0]  # without read_weights' own advice
+            raise ckpt.CheckpointError(f"cannot resume from {checkpoint}, the newest checkpoint in "
+                                       f"config.checkpoint_dir: {listing}\n{OTHER_MODEL}") from exc
         # fp16 steps through a loss scaler whose inf checks every rank shares
         self.scaler = GradScaler(device=pm.device, timeout_s=c.timeout_s) if c.precision == "fp16" else None
         held = dict(pm.named_parameters())
@@ -171,7 +188,21 @@ class Trainer:
         p = pm.plan
         self.reporter.record("plan", num_stages=p.num_stages, num_microbatches=p.num_microbatches,
                              schedule=p.schedule, data_parallel_size=p.data_parallel_size,
-                             world_size=self.world_size)
+                             world_size=self.world_size, weights=self._weights_source(checkpoint))
+        self.reporter.say(f"replica: {self.world_size} process{'es' if self.world_size > 1 else ''}: "
+                          f"{p.layout.describe()}, {p.num_microbatches} micro-batches per replica, {p.precision}; "
+                          f"weights: {self._weights_source(checkpoint)}")
+
+    def _weights_source(self, checkpoint: Path | None) -> str:
+        """Where the weights the training starts from came from, in words."""
+        if not self._on_meta:
+            return "the model's own" + (" (then resumed from the checkpoint)" if checkpoint is not None else "")
+        if checkpoint is not None:
+            return f"checkpoint {checkpoint} (resumed; each rank read its own stages)"
+        if self._weights is not None:
+            return f"{self._weights} (each rank read its own stages)"
+        init = "reset_parameters() then init" if self._init is not None else "reset_parameters()"
+        return f"initialized by {init} from rank 0's seed"
 
     @property
     def _min_batch(self) -> int:
@@ -224,6 +255,21 @@ class Trainer:
         self._run = {"batch_size": batch_size, "shuffle": bool(shuffle), "seed": c.seed,
                      "num_samples": source.num_samples}
         self._agree("train_dataset", (call, source.num_samples, batch_size, bool(shuffle), epochs))
+        if c.checkpoint_dir is None:
+            return self._train_call(source, call, epochs, batch_size, bool(shuffle), on_step_end)
+        self._lock_checkpoint_dir()  # before anything reads or writes there
+        self._writing = True
+        try:
+            return self._train_call(source, call, epochs, batch_size, bool(shuffle), on_step_end)
+        finally:  # done writing, or failed: another job may continue from here
+            self._writing = False
+            if self.is_main:
+                lock.release(c.checkpoint_dir)
+
+    def _train_call(self, source: DataSource, call: int, epochs: int, batch_size: int, shuffle: bool,
+                    on_step_end: Callable[["Trainer"], None] | None) -> list[dict[str, Any]]:
+        """One ``train_dataset`` call, from resuming (its first) to its last checkpoint."""
+        c = self.config
         found = None
         if c.checkpoint_dir is not None and not self._resume_checked:  # before building: a meta model loads it
             found = ckpt.latest_across_ranks(c.checkpoint_dir, quarantine=True)
@@ -262,6 +308,8 @@ class Trainer:
             self.reporter.close()
         if c.checkpoint_dir is not None and self._last_saved_step != self.step:
             self.save_checkpoint()
+        if c.checkpoint_dir is not None:
+            self.wait_for_checkpoint()  # train_dataset returns with its checkpoints published
         self.history += history
         return history
 
@@ -301,7 +349,8 @@ class Trainer:
             lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
             self.reporter.step(step=self.step, epoch=epoch, loss=loss, samples=n,
                                rate=seen / elapsed if elapsed > 0 else 0.0,
-                               lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None)
+                               lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None,
+                               num_epochs=end_epoch)
             if upcoming is None:  # the epoch's last step: train_dataset saves after moving to the next epoch
                 self._due = c.checkpoint_every_steps is not None and self.step % c.checkpoint_every_steps == 0
             elif c.checkpoint_every_steps is not None and self.step % c.checkpoint_every_steps == 0:
@@ -316,22 +365,78 @@ class Trainer:
 
     # --- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoint_dir/step-XXXXXXXX`` now (collective: every rank calls)."""
+        """Write ``checkpoint_dir/step-XXXXXXXX`` now (collective: every rank calls): each rank its own
+        shards, through torch.distributed.checkpoint. With ``config.checkpoint_async`` the write goes
+        on in the background and is published by the next save (or the end of ``train_dataset``);
+        the path is returned either way."""
         c, pm = self.config, self.pipeline
         if c.checkpoint_dir is None or pm is None:
             raise ConfigError("save_checkpoint needs config.checkpoint_dir and a built pipeline (train first)")
-        shard = shard_of(pm, self.optimizer, self._names, self._plain_keys, self.world_size)
+        if not self._writing:  # a save of its own, outside train_dataset: the lock until it is published
+            self._lock_checkpoint_dir()
+            self._writing = True
+            try:
+                path = self.save_checkpoint()
+                self.wait_for_checkpoint()
+                return path
+            finally:
+                self._writing = False
+                if self.is_main:
+                    lock.release(c.checkpoint_dir)
+        self.wait_for_checkpoint()  # one save in flight at most
         p = pm.plan
         meta = {"step": self.step, "epoch": self.epoch, "batch": self._batch_in_epoch, "call": self._call,
                 "call_start_epoch": self._call_start_epoch, **self._run,
                 **({} if self.scaler is None else {"scaler": self.scaler.state_dict()}),  # fp16's loss scale
                 "layout": {"num_stages": p.num_stages, "num_microbatches": p.num_microbatches,
                            "schedule": p.schedule, "data_parallel_size": p.data_parallel_size,
+                           "tensor_parallel_size": p.layout.tensor_parallel_size, "sharding": p.layout.sharding,
+                           "shard_group_size": p.layout.shard_group_size, "describe": p.layout.describe(),
                            "world_size": self.world_size}}
-        path = ckpt.save(c.checkpoint_dir, self.step, shard, meta, keep=c.keep_checkpoints, tied=p.tied_parameters)
+        try:
+            pending = save_pipeline(c.checkpoint_dir, self.step, pm, self.optimizer, self._names, self._plain_keys,
+                                    meta, keep=c.keep_checkpoints, asynchronous=c.checkpoint_async)
+        except RuntimeError as exc:  # a collective of the save failed: a peer died or hung
+            if not _distributed():
+                raise
+            raise ckpt.CheckpointError(
+                f"saving checkpoint step {self.step} failed on rank {self.rank} of {self.world_size} while the ranks "
+                f"wrote it together: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}. Another rank died or "
+                "hung; this step is not published and the one before it stays, to resume from"
+            ) from exc
         self._last_saved_step = self.step
-        self.reporter.record("checkpoint", step=self.step, path=str(path))
+        path = ckpt.step_dir(c.checkpoint_dir, self.step)
+        if pending.path is None:
+            self._pending = pending
+        else:
+            self.reporter.record("checkpoint", step=self.step, path=str(path))
         return path
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Finish a background save (collective): wait for every rank's files and publish the step
+        directory. Returns it, or None when no save was in flight."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        path = pending.finish()
+        self.reporter.record("checkpoint", step=pending.step, path=str(path))
+        return path
+
+    def _lock_checkpoint_dir(self) -> None:
+        """Rank 0 takes ``checkpoint_dir``'s writer lock for this job (``checkpoint/lock.py``); another
+        job's lock is a ``CheckpointError`` on every rank, before any of them reads or writes there."""
+        problem = None
+        if self.is_main:
+            try:
+                lock.acquire(self.config.checkpoint_dir)
+            except ckpt.CheckpointError as exc:
+                problem = str(exc)
+        if _distributed():
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem is not None:
+            raise ckpt.CheckpointError(problem if self.is_main else f"{problem} (found by rank 0)")
 
     def _resume(self, path: Path) -> dict[str, Any]:
         """Load checkpoint ``path`` (the newest good one of ``checkpoint_dir``, which every rank
@@ -402,6 +507,7 @@ class Trainer:
         for out, target, n in self._outputs(source, batch_size):
             assert self.pipeline is not None
             if self.rank == 0:  # every rank holds the whole output: count it once
+                out, target = self._loss_fn.prepare(out, target)
                 totals += torch.tensor(batch_sums(self.loss, names, out, target, n), dtype=torch.float64)
         if _distributed():
             work = dist.all_reduce(totals, async_op=True)
@@ -451,6 +557,9 @@ def get_trainer(config: TrainerConfig | None = None, model: torch.nn.Module | No
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no parameters: there is nothing to train")
+    # under torchrun: the process group first, so that an error below reads once (rank 0), not once per rank
+    ensure_process_group("replica.get_trainer", config.model_device or next(model.parameters()).device,
+                         timeout_s=config.timeout_s)
     if loss is None or not callable(loss):
         raise ConfigError(f"loss must be callable(output, target) -> scalar (e.g. torch.nn.CrossEntropyLoss()), "
                           f"got {type(loss).__name__}")

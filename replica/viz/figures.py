@@ -15,7 +15,7 @@ from replica.schedules.schedule import plan_schedule
 from replica.schedules.simulate import Timeline, simulate
 from replica.units import format_bytes, format_seconds
 
-__all__ = ["StageTimes", "Figures", "figures", "stage_colour", "KIND_COLOURS", "MEMORY_COLOURS",
+__all__ = ["StageTimes", "Figures", "figures", "pipeline_of", "stage_colour", "KIND_COLOURS", "MEMORY_COLOURS",
            "format_bytes", "format_seconds", "format_share", "nice_ticks", "shade"]
 
 # Tableau 10: distinct on screen and in print; beyond ten stages, hues evenly spaced.
@@ -72,14 +72,26 @@ class Figures:
         return out
 
 
+def pipeline_of(plan_or_pipeline: Any) -> Any:
+    """A Trainer's pipeline (it must have been built: train first), else what was given."""
+    if hasattr(plan_or_pipeline, "pipeline") and not isinstance(plan_or_pipeline, Plan):
+        if plan_or_pipeline.pipeline is None:
+            raise ConfigError("this Trainer has no pipeline yet: it is built on the first batch; call "
+                              "train_dataset (or evaluate / predict) first, then visualize it")
+        return plan_or_pipeline.pipeline
+    return plan_or_pipeline
+
+
 def _unwrap(plan_or_pipeline: Any) -> tuple[Plan, list[list[Action]] | None]:
+    plan_or_pipeline = pipeline_of(plan_or_pipeline)
     if isinstance(plan_or_pipeline, Plan):
         return plan_or_pipeline, None
     plan = getattr(plan_or_pipeline, "plan", None)
     if isinstance(plan, Plan):
         return plan, [list(actions) for actions in plan_or_pipeline.schedule]
     raise ConfigError(
-        f"expected a replica.Plan or the PipelineModel of replica.auto_parallel, got {type(plan_or_pipeline).__name__}"
+        f"expected a replica.Plan, the PipelineModel of replica.auto_parallel or a Trainer, got "
+        f"{type(plan_or_pipeline).__name__}"
     )
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 
 from replica.partition.plan import BoundaryTensor, Plan, StagePlan
 from replica.viz import svg
-from replica.viz.figures import Figures, figures, format_bytes, format_seconds, format_share
+from replica.viz.figures import Figures, figures, format_bytes, format_seconds, format_share, pipeline_of
 from replica.viz.modules import ModuleBox, OpInfo, ops_of, stage_boxes
 
 if TYPE_CHECKING:
@@ -29,11 +29,12 @@ def visualize(
     memory_budget: float | Sequence[float] | None = None,
     device: Any = None,
 ) -> Path:
-    """Write the report of a :class:`~replica.Plan` (or a ``PipelineModel``: its plan and schedule)
-    to ``path`` as one HTML file that needs no network; returns the path.
+    """Write the report of a :class:`~replica.Plan` (or a ``PipelineModel`` or a Trainer: its plan,
+    schedule and traced graph) to ``path`` as one HTML file that needs no network; returns the path.
 
     It shows the model collapsed to modules, coloured by stage and opening down to ops (exact
-    with ``graph``, the traced graph the plan was made from; inferred from names without it);
+    with ``graph``, the traced graph the plan was made from, which a pipeline brings itself;
+    inferred from names for a bare plan without it);
     every cut's tensors; per-stage predicted (and ``measured``) times and memory against
     ``memory_budget``; and the schedule simulated as a timeline. ``measured``, ``memory_budget``
     and ``device`` are as for :func:`replica.viz.figures.figures`.
@@ -56,6 +57,8 @@ def render_html(
     """The report as a string (what :func:`visualize` writes)."""
     fig = figures(plan_or_pipeline, measured=measured, memory_budget=memory_budget, device=device)
     plan = fig.plan
+    if graph is None:  # a pipeline (or a Trainer's) keeps the graph it was traced into: ops placed exactly
+        graph = getattr(pipeline_of(plan_or_pipeline), "graph", None)
     depth, boxes = stage_boxes(ops_of(plan, graph), plan.num_stages)
     spans = [_span(b) for b in boxes]
     parts = [_header(fig), '<div class="card wide">', svg.cut_strip(fig, spans), "</div>",
@@ -106,6 +109,7 @@ def _header(fig: Figures) -> str:
          + (f" × {plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""),
          "pipeline stages × data-parallel replicas"
          + (" × tensor-parallel ranks" if plan.tensor_parallel_size > 1 else "")
+         + (" (sequence parallel)" if plan.layout.sequence_parallel else "")
          + (f", {plan.layout.sharding} sharded" if plan.layout.sharded else "")
          + (f"; collectives {format_seconds(plan.collective_s)} a step, "
             f"{format_seconds(plan.exposed_collective_s)} not hidden" if plan.data_parallel_size > 1 else "")),
@@ -177,7 +181,8 @@ def _sharded(plan: Plan, k: int, graph: "Graph | None") -> str:
         return ""
     t = plan.tensor_parallel_size
     if not blocks:
-        return f'<p class="note">Tensor parallel: nothing on this stage is cut; each of the {t} ranks computes it whole.</p>'
+        return (f'<p class="note">Tensor parallel: nothing on this stage is cut; each of the {t} ranks computes it '
+                'whole.</p>')
     share = 1 / (plan.data_parallel_size * plan.num_microbatches)  # of the traced batch, per micro-batch
 
     def sized(name: str) -> str:
@@ -195,9 +200,15 @@ def _sharded(plan: Plan, k: int, graph: "Graph | None") -> str:
         else:  # the modules owning the cut parameters
             modules = list(dict.fromkeys(p.rpartition(".")[0] or p for p, _ in b.parameters))
         cut = ", ".join(f"{p} (dim {d})" for p, d in b.parameters)
-        forward = "; ".join(f"{'all-gather' if b.gathers else 'all-reduce'} of <code>{escape(e)}</code>{escape(sized(e))}"
-                            for e in b.exits)
-        backward = "; ".join(f"all-reduce of <code>{escape(e)}</code>'s gradient{escape(sized(e))}" for e in b.entries)
+        held = {n for n, _ in plan.sequence_shards}  # sequence parallelism: split in two halves
+        forward = "; ".join([f"all-gather of <code>{escape(e)}</code>{escape(sized(e))}"
+                             for e in b.entries if e in held]
+                            + [f"{'reduce-scatter' if e in held else 'all-gather' if b.gathers else 'all-reduce'} of "
+                               f"<code>{escape(e)}</code>{escape(sized(e))}" for e in b.exits])
+        backward = "; ".join([f"{'reduce-scatter' if e in held else 'all-reduce'} of <code>{escape(e)}</code>'s "
+                              f"gradient{escape(sized(e))}" for e in b.entries]
+                             + [f"all-gather of <code>{escape(e)}</code>'s gradient{escape(sized(e))}"
+                                for e in b.exits if e in held])
         rows.append(f"<tr><td>{escape(b.kind)}</td><td>{escape(', '.join(modules) or '-')}</td>"
                     f"<td>{escape(cut)}</td><td>{forward or '-'}</td><td>{backward or '-'}</td></tr>")
     again = " (forward's again in backward: recompute)" if plan.recompute else ""
@@ -246,6 +257,11 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return "value" if shape is None else "(" + ", ".join(map(str, shape)) + ")"
 
 
+def _bytes_of(b: BoundaryTensor, num_microbatches: int) -> str:
+    """A crossing tensor's bytes (per micro-batch with ``num_microbatches``); a Python number has none."""
+    return format_bytes(b.nbytes / num_microbatches) if b.shape is not None else "a number"
+
+
 def _cut(plan: Plan, k: int) -> str:
     """The tensors crossing the cut after stage ``k``: made at or before it, read after it."""
     crossing: list[BoundaryTensor] = [b for s in plan.stages[: k + 1] for b in s.outputs
@@ -256,8 +272,8 @@ def _cut(plan: Plan, k: int) -> str:
         via = ' <span class="m">(passes through)</span>' if b.source_stage < k else ""
         rows.append(
             f"<tr><td><code>{escape(b.name)}</code>{via}</td><td>{escape(_shape(b.shape))}</td>"
-            f"<td>{escape(b.dtype or '-')}</td><td class='r'>{escape(format_bytes(b.nbytes))}</td>"
-            f"<td class='r'>{escape(format_bytes(b.nbytes / plan.num_microbatches))}</td>"
+            f"<td>{escape(b.dtype or '-')}</td><td class='r'>{escape(_bytes_of(b, 1))}</td>"
+            f"<td class='r'>{escape(_bytes_of(b, plan.num_microbatches))}</td>"
             f"<td>{b.source_stage} → {', '.join(map(str, b.destination_stages))}</td></tr>"
         )
     body = "".join(rows) or '<tr><td colspan="6">nothing crosses this cut</td></tr>'

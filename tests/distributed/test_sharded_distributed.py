@@ -118,8 +118,8 @@ def test_sharding_refuses_zero_bubble_schedules() -> None:
 
 
 def sharded_trainer_job(rank: int, world: int, directory: str) -> bytes:
-    """The Trainer on 2 stages × 2 sharded replicas: its checkpoint holds whole tensors under
-    the original names (the plain model loads it), and a new Trainer resumes from it."""
+    """The Trainer on 2 stages × 2 sharded replicas: its checkpoint (each rank's shards, DCP) loads
+    under the original names into the plain model as the tensors whole, and a new Trainer resumes from it."""
     from replica.defaults import default_config
     from replica.train.trainer import get_trainer
 
@@ -143,7 +143,7 @@ def sharded_trainer_job(rank: int, world: int, directory: str) -> bytes:
                       "steps": (trainer.step, resumed.step)})
 
 
-def test_a_sharded_trainer_checkpoints_whole_tensors_and_resumes(tmp_path) -> None:
+def test_a_sharded_trainer_checkpoints_and_resumes(tmp_path) -> None:
     reports = _run(sharded_trainer_job, 4, str(tmp_path))
     for r in reports:
         assert "sharded" in r["layout"] and r["same"] and r["keys"] > 0, r

@@ -192,8 +192,8 @@ def test_tensor_parallel_needs_processes_and_a_divisor() -> None:
 
 
 def tp_trainer_job(rank: int, world: int, directory: str) -> bytes:
-    """The Trainer at tp=2 × 2 stages writes whole tensors under the original names (the plain
-    model loads them); a Trainer at tp=1 (2 stages × 2 replicas) resumes from that checkpoint."""
+    """The Trainer at tp=2 × 2 stages writes each rank's shards under the original names (the plain
+    model loads them whole); a Trainer at tp=1 (2 stages × 2 replicas) resumes from that checkpoint."""
     from replica.defaults import default_config
     from replica.train.trainer import get_trainer
 
