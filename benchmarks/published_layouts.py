@@ -183,9 +183,9 @@ def llama3(flavour: str) -> torch.nn.Module:
 def price_titan(run: Titan, model: torch.nn.Module, device: replica.DeviceSpec | str = "h100-80gb",
                 free: bool = False, same_terms: bool = False) -> replica.Plan:
     """``run``'s published layout on ``device`` (FSDP2 zero3 over its data-parallel ranks, its TP
-    with sequence parallelism as torchtitan runs it, and PP, full recompute, no memory budget), or with ``free`` the tuner's own choice for the
-    same world and global batch within the preset's memory (``same_terms``: as the forced rows
-    are priced, recompute and no memory budget)."""
+    with sequence parallelism as torchtitan runs it, and PP, full recompute, no memory budget),
+    or with ``free`` the tuner's own choice for the same world and global batch within the
+    preset's memory (``same_terms``: as the forced rows are priced, recompute and no memory budget)."""
     tokens = torch.empty(run.global_batch, TITAN_SEQ, dtype=torch.long, device="meta")
     if free:
         terms: dict = dict(recompute=True, memory_budget=float("inf")) if same_terms else {}
