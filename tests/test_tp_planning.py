@@ -296,21 +296,32 @@ def test_the_tuner_prefers_fewer_tensor_parallel_ranks_on_a_tie():
 def test_the_lower_bound_never_exceeds_what_the_tuner_simulates(monkeypatch):
     from replica.planner import tuner
 
-    seen = []
+    seen = []  # (the cut's bound, the simulated step, the layout, micro-batches, recompute)
     evaluate = tuner._evaluate
 
     def checked(plan, layout, *args):
         found = evaluate(plan, layout, *args)
         if found is not None:
-            seen.append((lower_bound(plan, layout), found.step_time_s, layout.describe()))
+            seen.append((lower_bound(plan, layout), found.step_time_s, layout.describe(), plan.num_microbatches,
+                         plan.recompute))
         return found
 
+    work = Pricing.work
+    early = {}
+
+    def worked(self, layout, m, recompute):
+        early[(layout.describe(), m, recompute)] = work(self, layout, m, recompute) / layout.pipeline_ranks
+        return early[(layout.describe(), m, recompute)]
+
     monkeypatch.setattr(tuner, "_evaluate", checked)
+    monkeypatch.setattr(Pricing, "work", worked)
     case = tiny_gpt(32, num_layers=4)
     replica.plan(case.model, case.example_inputs, world_size=8, schedule="auto", device="a100-80gb",
                  cost="analytic")
-    assert len({d for *_, d in seen}) > 5
-    assert all(bound <= step * (1 + 1e-9) for bound, step, _ in seen), [s for s in seen if s[0] > s[1]]
+    assert len({d for _, _, d, _, _ in seen}) > 5
+    assert all(bound <= step * (1 + 1e-9) for bound, step, *_ in seen), [s for s in seen if s[0] > s[1]]
+    # the bound before the cut (a replica's work over its ranks) is never above the cut's
+    assert all(early[(d, m, r)] <= bound * (1 + 1e-9) for bound, _, d, m, r in seen)
 
 
 # --- which blocks are cut --------------------------------------------------------------------
@@ -369,6 +380,7 @@ def test_the_pruned_search_chooses_what_simulating_every_candidate_chooses(monke
     pruned = [tuned(b) for b in budgets]
     assert pruned[-1].layout.tensor_parallel_size == 2
     monkeypatch.setattr(tuner, "lower_bound", lambda plan, layout: 0.0)
+    monkeypatch.setattr(Pricing, "work", lambda self, layout, m, recompute: 0.0)  # the bound before the cut
     monkeypatch.setattr(tuner, "_zero_bubble_floor", lambda plan, layout: 0.0)
     monkeypatch.setattr(tuner, "_static_peak", lambda plan, layout: 0.0)
     for budget, p in zip(budgets, pruned):

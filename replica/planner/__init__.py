@@ -71,8 +71,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                 f"({pricing.spec.devices_per_node} device(s) per node) the tuner may only use "
                 f"tensor_parallel_size=1 here; give tensor_parallel_size=2 or more (a divisor of world_size={world}), "
                 "or sequence_parallel=None / False")
-        best, _ = tune(lambda layout, m, within, again: pricing.partition_for(layout, m, within_budget=within,
-                                                                                recompute=again, simulated=within),
+        best, _ = tune(lambda layout, m, within, again, like=None: pricing.partition_for(
+                           layout, m, within_budget=within, recompute=again, simulated=within, like=like),
                        lambda plan, layout, schedule: pricing.collectives(pricing.reshard(plan, layout), layout,
                                                                           schedule),
                        world_size=world, batch=pricing.global_batch, num_ops=len(traced.graph.op_nodes),
@@ -83,7 +83,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                        shard_groups=lambda replicas, per_replica: r.shard_groups(replicas, per_replica,
                                                                                   pricing.spec.devices_per_node),
                        sequence_parallel=lambda t: _sequence_choices(pricing, r, t),
-                       options=r.options, **({} if schedules is None else {"schedules": schedules}))
+                       options=r.options, work_for=pricing.work,
+                       **({} if schedules is None else {"schedules": schedules}))
         plan = best
     else:
         t = r.tensor_parallel_fixed() or 1

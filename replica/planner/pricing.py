@@ -105,6 +105,9 @@ class Pricing:
         self._tp_costs: dict[tuple[int, bool], TensorParallelCosts | None] = {}
         self._cut: dict[int, tuple[ShardedBlock, ...]] = {}
         self._sequence: dict[int, tuple[tuple[str, int], ...]] = {}
+        self._models: dict[tuple[DeviceSpec, float, int, bool], CostModel] = {}
+        self._work: dict[tuple[int, int, int, bool, bool], float] = {}
+        self._positions: dict[tuple[int, bool], dict[str, int]] = {}
         self.graded, self.options = graded, options
         self.batch = microbatch.batch_size(inputs, "example_inputs")
         self.batch_scale = batch_scale
@@ -222,9 +225,32 @@ class Pricing:
 
     def cost_model(self, spec: DeviceSpec, batch_fraction: float, tensor_parallel_size: int = 1,
                    sequence_parallel: bool = False) -> CostModel:
-        return CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
-                         measured_fraction=self.measured_fraction,
-                         tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size, sequence_parallel))
+        """The cost model of ``spec`` at ``batch_fraction`` for one rank of ``tensor_parallel_size``
+        (``sequence_parallel`` or not), made once: it prices each op once per micro-batch count,
+        for every cut the tuner makes."""
+        key = (spec, batch_fraction, tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1)
+        if key not in self._models:
+            self._models[key] = CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
+                                          measured_fraction=self.measured_fraction,
+                                          tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size,
+                                                                                     sequence_parallel))
+        return self._models[key]
+
+    def work(self, layout: Layout, num_microbatches: int, recompute: bool | str | int) -> float:
+        """Seconds of compute one replica of ``layout`` does in a step at ``num_microbatches``
+        (every op's forward and backward, on one tensor-parallel rank): what its pipeline ranks
+        share, however it is cut (0 where stages run on different devices). Recompute is left
+        out: a mode reruns only its blocks' forwards (or their cheap ops), so counting it whole
+        could put this bound above the cut's."""
+        if self.devices is not None:
+            return 0.0
+        t, m, sp = layout.tensor_parallel_size, num_microbatches, layout.sequence_parallel
+        key = (layout.data_parallel_size, t, m, sp)
+        if key not in self._work:
+            cm = self.cost_model(self.spec, self.batch_fraction(layout), t, sp)
+            self._work[key] = sum(cm.forward_time(n, m) + cm.backward_time(n, m)
+                                  for n in self.graph_for(t, sp).op_nodes)
+        return self._work[key]
 
     def memory_model_for(self, layout: Layout, recompute: bool | str | int) -> MemoryModel:
         """What a stage of ``layout`` keeps: sharded over its shard group where the layout shards
@@ -272,13 +298,24 @@ class Pricing:
                 extra[r] = max(extra.get(r, 0.0), st.activation_bytes / plan.num_microbatches)
         return all(held[r] + extra.get(r, 0.0) <= self.budget_per_device() for r in held)
 
+    def _bounds_of(self, plan: Plan, layout: Layout) -> list[int]:
+        """The node positions ``plan``'s stages start at, in the graph ``layout`` cuts."""
+        key = (layout.tensor_parallel_size, layout.sequence_parallel)
+        graph = self.graph_for(*key)
+        if key not in self._positions:
+            self._positions[key] = {n.name: i for i, n in enumerate(graph.nodes)}
+        index = self._positions[key]
+        return [0, *(index[st.node_names[0]] for st in plan.stages[1:]), len(graph.nodes)]
+
     def partition_for(self, layout: Layout, num_microbatches: int, *, within_budget: bool = True,
-                      recompute: bool | str | int = False, simulated: bool = True) -> Plan:
+                      recompute: bool | str | int = False, simulated: bool = True, like: Plan | None = None) -> Plan:
         """The plan of ``layout`` with ``num_microbatches`` micro-batches per replica, priced
         at each replica's share of the batch (even micro-batches, nothing rebuilt: see
         :func:`replica.planner.refine.finish`). ``simulated=False`` leaves out the step's
         simulation and the replicas' collectives (``predicted_step_time_s`` stays the cut's
-        estimate): the tuner's cuts, which it simulates in each layout itself."""
+        estimate): the tuner's cuts, which it simulates in each layout itself. ``like``: a plan
+        of as many stages whose cuts to keep (priced again, not solved again: the tuner's cut of
+        the same stages at another micro-batch count)."""
         m = num_microbatches
         replicas = layout.data_parallel_size
         share = self.global_batch // replicas
@@ -306,7 +343,8 @@ class Pricing:
                            schedule=layout.schedule, memory_model=self.memory_model_for(layout, recompute),
                            memory_budget=self.memory_budget if within_budget else None,
                            in_flight=max_in_flight(schedule_data, layout.num_stages),
-                           stage_ranks=[where[k] for k in range(layout.num_stages)], together=together(blocks))
+                           stage_ranks=[where[k] for k in range(layout.num_stages)], together=together(blocks),
+                           bounds=None if like is None else self._bounds_of(like, layout))
         result = dataclasses.replace(result, layout=layout, tensor_parallel=blocks,
                                      sequence_shards=self.sequence_shards(layout),
                                      early_input_grads=recompute is False and self._early_fits(result, where))

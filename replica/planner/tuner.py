@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -115,7 +116,7 @@ def lower_bound(plan: Plan, layout: Layout) -> float:
         bound = sum(forward[:k]) + work
         if k > 0 and not layout.kind.splits_backward:
             bound += share * sum(backward[1:k]) + backward[0] - (1 - share) * backward[k]
-        best = max(best, bound)
+        best = max(best, bound, work)  # a rank does its own work at least
     return best
 
 
@@ -179,7 +180,7 @@ def _evaluate(plan: Plan, layout: Layout, device: DeviceSpec, budget: float, lay
 
 
 def tune(
-    partition_for: Callable[[Layout, int, bool, bool], Plan],
+    partition_for: Callable[..., Plan],
     lay_out: LayOut,
     *,
     world_size: int,
@@ -197,12 +198,14 @@ def tune(
     shard_groups: Callable[[int, int], Sequence[int]] = lambda replicas, ranks_per_replica: (replicas,),
     options: PlannerOptions = PlannerOptions(),
     sequence_parallel: Callable[[int], Sequence[bool]] = lambda tensor_parallel_size: (False,),
+    work_for: Callable[[Layout, int, bool], float] | None = None,
 ) -> tuple[Plan, list[Candidate]]:
     """Search the layouts of ``world_size`` devices for the fastest that fits a global ``batch``.
 
-    ``partition_for(layout, num_microbatches, within_budget, recompute)`` makes a plan for
+    ``partition_for(layout, num_microbatches, within_budget, recompute[, like])`` makes a plan for
     one replica's share of the batch (of which, where ``within_budget`` is False, only the
-    cut's stages are read: their times and memory); ``lay_out(plan, layout, schedule)`` gives that plan's
+    cut's stages are read: their times and memory; ``like``: a plan whose cuts to keep, given
+    where ``device`` models no cache: the same stages cut at another micro-batch count); ``lay_out(plan, layout, schedule)`` gives that plan's
     memory and collectives in ``layout`` (see :func:`_evaluate`). Both settings of activation
     ``recompute`` given are tried, and each of ``shardings`` (:data:`replica.layout.SHARDINGS`)
     where the layout allows it: more than one replica and a schedule that does not split backward,
@@ -213,9 +216,12 @@ def tune(
     filled in) and the candidates simulated, best first. Raises ``PartitionError`` naming the
     world that would fit.
 
-    Every configuration is cut first, then simulated in the order of its :func:`lower_bound`;
-    those whose bound shows they can neither win (within ``tie``) nor be among the
-    alternatives are not simulated, nor those of a zero-bubble schedule that cannot win
+    Configurations are taken in the order of a bound known before any cut: ``work_for(layout,
+    num_microbatches, recompute)``, the seconds of compute one replica does in a step, over its
+    pipeline ranks (0 where not given). Each is cut only where that bound may still win, then
+    bounded again by its cut's :func:`lower_bound` (never below the first: a rank does its own
+    stages' work); those whose bound shows they can neither win (within ``tie``) nor be among the
+    alternatives are not cut or not simulated, nor those of a zero-bubble schedule that cannot win
     (their orders are the costly ones to make: the alternatives are the next best of those
     simulated) or would not fit by the micro-batches their orders admit
     (:func:`_zero_bubble_floor`), nor replicated ones whose weights, gradients and optimizer
@@ -223,7 +229,9 @@ def tune(
     """
     candidates: list[Candidate] = []
     plans: dict[tuple[int, int, bool | str | int, int, int, bool], Plan | None] = {}
-    queued: list[tuple[float, int, Plan, Layout]] = []
+    # the first cut of each (stages, replicas, recompute, tp, sequence parallel)
+    cuts: dict[tuple[int, int, bool | str | int, int, bool], Plan] = {}
+    queued: list[tuple[float, int, tuple[int, int, bool | str | int, int, int, bool], Layout]] = []
     for tp, ranks in ((t, r) for t in tensor_parallel_sizes if world_size % t == 0
                       for r in _divisors(world_size // t)):
         if ranks > options.max_pipeline_ranks and num_stages is None:
@@ -251,33 +259,53 @@ def tune(
                                                  options.max_simulated_actions):
                         if kind.microbatch_multiple and m % ranks:
                             continue
+                        # a bound before any cut: the replica's compute shared evenly by its ranks
+                        early = work_for(layout, m, again) / ranks if work_for is not None else 0.0
                         # priced at this micro-batch size: an op whose tensors fit the cache at m runs faster
-                        key = (stages, replicas, again, m, tp, sp)
-                        if key not in plans:
-                            try:  # memory is checked per layout below, so this cut ignores the budget
-                                cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
-                                             data_parallel_size=replicas, tensor_parallel_size=tp,
-                                             sequence_parallel=sp)
-                                plans[key] = partition_for(cut, m, False, again)
-                            except PartitionError:
-                                plans[key] = None
-                        plan = plans[key]
-                        if plan is None:
-                            continue
-                        queued.append((lower_bound(plan, layout), len(queued), plan, layout))
+                        queued.append((early, len(queued), (stages, replicas, again, m, tp, sp), layout))
     # the schedules quick to make first (their best sets the bar), then the zero-bubble ones,
-    # whose list-scheduled orders take seconds at hundreds of stages: each in bound order
-    queued.sort(key=lambda q: (q[3].kind.splits_backward, q[0], q[1]))
+    # whose list-scheduled orders take seconds at hundreds of stages: each in the order of its
+    # bound, best first. A configuration comes first with its bound before the cut; where that
+    # may still win it is cut (a second each at hundreds of stages) and queued again with its
+    # cut's bound, so the simulations run in the order of the cuts' bounds, as if all were cut
+    heap = [(layout.kind.splits_backward, early, False, i, key, layout) for early, i, key, layout in queued]
+    heapq.heapify(heap)
     times: list[float] = []  # of the fitting candidates, sorted
     timed: set[tuple[Layout, int]] = set()
     heavy: list[tuple[Plan, Layout]] = []
-    for bound, _, plan, layout in queued:
+
+    def pruned(bound: float, layout: Layout) -> bool:
         if not times:
-            pass
-        elif layout.kind.splits_backward and bound > times[0] * (1 + options.tie):
-            continue  # a zero-bubble order costs seconds to make: made only where it may win
-        elif bound > max(times[0] * (1 + options.tie), times[KEPT - 1] if len(times) >= KEPT else INF):
-            continue  # neither the best, nor within its tie, nor among the alternatives
+            return False
+        if layout.kind.splits_backward and bound > times[0] * (1 + options.tie):
+            return True  # a zero-bubble order costs seconds to make: made only where it may win
+        # neither the best, nor within its tie, nor among the alternatives
+        return bound > max(times[0] * (1 + options.tie), times[KEPT - 1] if len(times) >= KEPT else INF)
+
+    while heap:
+        group, bound, was_cut, i, key, layout = heapq.heappop(heap)
+        if pruned(bound, layout):
+            continue
+        if key not in plans:
+            stages, replicas, again, m, tp, sp = key
+            # without a cache model an op's price is linear in the micro-batch count, but for its
+            # launches: the same stages at another count keep their cuts (priced again, not solved)
+            like = cuts.get((stages, replicas, again, tp, sp)) if device.cache_bandwidth <= 0 else None
+            try:  # memory is checked per layout below, so this cut ignores the budget
+                cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
+                             data_parallel_size=replicas, tensor_parallel_size=tp, sequence_parallel=sp)
+                plans[key] = partition_for(cut, m, False, again) if like is None else \
+                    partition_for(cut, m, False, again, like)
+            except PartitionError:
+                plans[key] = None
+            if plans[key] is not None:
+                cuts.setdefault((stages, replicas, again, tp, sp), plans[key])
+        plan = plans[key]
+        if plan is None:
+            continue
+        if not was_cut:
+            heapq.heappush(heap, (group, lower_bound(plan, layout), True, i, key, layout))
+            continue
         if not layout.sharded and _static_peak(plan, layout) > memory_budget or \
                 layout.kind.splits_backward and _zero_bubble_floor(plan, layout) > memory_budget:
             heavy.append((plan, layout))
