@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.sharded_dp import allocation_peak  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig, loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
 
@@ -70,21 +71,9 @@ def _own_bytes(pm: Any, optimizer: torch.optim.Optimizer | None) -> int:
 def _growth(fn: Any) -> tuple[Any, int]:
     """``fn()`` under torch's profiler: its result and the most tensor bytes alive at once above
     the start (every allocation and free in order)."""
-    from torch._C._profiler import _EventType
-
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    sizes, tree = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while tree:
-        e = tree.pop()
-        if e.tag == _EventType.Allocation:
-            sizes.append((e.start_time_ns, e.extra_fields.alloc_size))
-        tree.extend(e.children)
-    live = peak = 0
-    for _, size in sorted(sizes):
-        live += size
-        peak = max(peak, live)
-    return out, peak
+    return out, allocation_peak(prof)
 
 
 def _old_save(directory: Path, pm: Any, optimizer: Any, names: dict, plain_keys: frozenset, world: int) -> list[str]:

@@ -170,13 +170,19 @@ def tensor_peak(pm, optimizer, x, y) -> tuple[int, int]:
     and the most bytes of tensors alive at once during the step (that plus the running sum of
     every allocation and free the profiler saw): what a caching allocator would peak at,
     without glibc's retained memory that RSS counts."""
-    from torch._C._profiler import _EventType
-
     pm.zero_grad()
     start = held(pm, optimizer)[0]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         pm.train_step(x, y)
         optimizer.step()
+    return start, start + allocation_peak(prof)
+
+
+def allocation_peak(prof: torch.profiler.profile) -> int:
+    """The most tensor bytes alive at once above the start of ``prof`` (a profile taken with
+    ``profile_memory=True``): the running sum of every allocation and free it saw, in order."""
+    from torch._C._profiler import _EventType
+
     sizes, tree = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while tree:
         e = tree.pop()
@@ -187,7 +193,7 @@ def tensor_peak(pm, optimizer, x, y) -> tuple[int, int]:
     for _, size in sorted(sizes):
         live += size
         peak = max(peak, live)
-    return start, start + peak
+    return peak
 
 
 def predicted_gathers(pm, sharding: str) -> int | None:
