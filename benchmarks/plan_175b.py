@@ -59,12 +59,13 @@ MEGATRON_LAYOUTS = (("Megatron 8x16x8 1F1B", 8, 16, 8, 1), ("Megatron 8x16x8 int
 
 
 def plan_175b(world_size: int, global_batch: int = 1536, config: GPTConfig = GPT3_175B,
-              schedule: str = "auto") -> replica.Plan:
+              schedule: str = "auto", **fixed: object) -> replica.Plan:
+    """GPT-3 175B on ``world_size`` A100-80GB, bf16; ``fixed``: planning keywords the plan must keep."""
     with torch.device("meta"):
         model = GPT(config)
     tokens = torch.empty(global_batch, config.block_size, dtype=torch.long, device="meta")
     return replica.plan(model, (tokens,), world_size=world_size, device="a100-80gb", mixed_precision="bf16",
-                        schedule=schedule)
+                        schedule=schedule, **fixed)
 
 
 def plan_megatron_gpt(config: MegatronGPTConfig, world_size: int, global_batch: int,

@@ -58,9 +58,10 @@ def test_the_tuned_plan_trains_exactly():
 
 
 def test_gpt3_175b_plans_on_1024_a100s():
-    # 1F1B: the search over every schedule (the benchmark's, benchmarks/plan_175b.py) takes three
-    # minutes on a slow 2-core machine; the smaller tests here cover schedule="auto"
-    plan = plan_175b(1024, schedule="1f1b")
+    # 1F1B, full recompute (Megatron's), no sequence parallelism: the search over every schedule, recompute
+    # mode and SP (the benchmark's, benchmarks/plan_175b.py) takes minutes on a 2-core machine; the smaller
+    # tests here and in test_activation_checkpoint / test_sequence_parallel search those
+    plan = plan_175b(1024, schedule="1f1b", recompute=True, sequence_parallel=False)
     assert max(s.predicted_memory_bytes for s in plan.stages) <= 80 * 2**30
     assert plan.layout.world_size == 1024
     assert plan.model_flops > 0 and "TFLOP/s per device" in plan.summary()
@@ -68,9 +69,10 @@ def test_gpt3_175b_plans_on_1024_a100s():
 
 
 def test_gpt3_175b_on_8_gpus_says_how_many_are_needed():
-    # 1F1B: where nothing fits every candidate is simulated (no bound prunes); one schedule's proves the error
+    # where nothing fits every candidate is simulated (no bound prunes): one schedule, recompute mode and
+    # SP setting prove the error
     with pytest.raises(replica.PartitionError, match=r"About \d+ devices are needed") as err:
-        plan_175b(8, schedule="1f1b")
+        plan_175b(8, schedule="1f1b", recompute=True, sequence_parallel=False)
     needed = int(str(err.value).split("About ")[1].split()[0])
     assert needed >= 32  # 175B x 16 bytes of weights, gradients and Adam state alone need 35 GPUs
 
