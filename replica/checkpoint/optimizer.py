@@ -9,7 +9,7 @@ cut as its parameter is now (any layout), lets DCP fill it, then hands the optim
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from replica.checkpoint.store import OPTIMIZER_PREFIX, TRAINER_FILE, CheckpointError
 
-__all__ = ["optimizer_tensors", "optimizer_room", "load_optimizer"]
+__all__ = ["optimizer_tensors", "optimizer_room", "load_optimizer", "by_name"]
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer | None, names: Mapping[int, str]
@@ -73,6 +73,21 @@ def optimizer_room(specs: Mapping[str, Any], optimizer: torch.optim.Optimizer, n
     return by_key, by_index
 
 
+def by_name(records: Iterable[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Optimizer states saved by parameter name, one record per rank that wrote (``{"state": {name: ...},
+    "param_groups": [{..., "params": [name, ...]}]}``), merged: each parameter's state and its group's
+    hyper-parameters, the first record that holds it winning."""
+    state: dict[str, Any] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for record in records:
+        for name, s in record["state"].items():
+            state.setdefault(name, s)
+        for group in record["param_groups"]:
+            for name in group["params"]:
+                hyper.setdefault(name, {k: v for k, v in group.items() if k != "params"})
+    return state, hyper
+
+
 def load_optimizer(path: str | Path, optimizer: torch.optim.Optimizer, names: Mapping[int, str],
                    by_index: dict[int, dict[str, torch.Tensor]]) -> None:
     """Hand ``optimizer`` its state: the tensors DCP filled (``by_index``, from :func:`optimizer_room`),
@@ -82,14 +97,7 @@ def load_optimizer(path: str | Path, optimizer: torch.optim.Optimizer, names: Ma
         extras = torch.load(Path(path) / TRAINER_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:  # missing, unpickling errors, truncated files
         raise CheckpointError(f"{Path(path) / TRAINER_FILE} cannot be read ({type(exc).__name__}: {exc})") from None
-    scalars: dict[str, dict[str, Any]] = {}
-    hyper: dict[str, dict[str, Any]] = {}
-    for extra in extras:
-        for name, s in extra["state"].items():
-            scalars.setdefault(name, s)
-        for group in extra["param_groups"]:
-            for name in group["params"]:
-                hyper.setdefault(name, {k: v for k, v in group.items() if k != "params"})
+    scalars, hyper = by_name(extras)
     state: dict[int, dict[str, Any]] = {}
     groups = []
     i = 0

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from replica.checkpoint.optimizer import by_name
 from replica.errors import ConfigError
 from replica.parallel.fsdp import full_tensor, shard_like
 
@@ -114,14 +115,7 @@ def load_state_by_name(
     each parameter takes its own state, each group the hyper-parameters its parameters had."""
     if optimizer is None:
         return
-    state: dict[str, Any] = {}
-    hyper: dict[str, dict[str, Any]] = {}
-    for shard in saved:
-        for name, s in shard["state"].items():
-            state.setdefault(name, s)
-        for group in shard["param_groups"]:
-            for name in group["params"]:
-                hyper.setdefault(name, {k: v for k, v in group.items() if k != "params"})
+    state, hyper = by_name(saved)
     torch_state: dict[int, Any] = {}
     torch_groups = []
     index = 0
