@@ -33,8 +33,10 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: in
     if keep_freed_memory:
         _keep_freed_memory()
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # a client of the store the parent listens on: no rank binds a port, so none can find it taken
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         dist.barrier()  # every rank connected before any may leave
         try:
             # pickled here: a tensor put on the queue would be shared through this process,
@@ -71,7 +73,12 @@ def run_local(
         raise ConfigError(f"run_local(keep_freed_memory=...) must be True or False, got {keep_freed_memory!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The parent holds the rendezvous store, listening on a port the OS picked, until every rank is done.
+    # A port picked free and bound later by rank 0 could be taken in between by another run's ranks
+    # (pytest-xdist workers start theirs side by side): EADDRINUSE on rank 0 and a 45 s wait on the others.
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                           wait_for_workers=False)
+    port = int(server.port)
     settings = (timeout_s, threads_per_rank, keep_freed_memory)
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, *settings, fn, args, results), daemon=True)
              for r in range(world_size)]
@@ -97,6 +104,7 @@ def run_local(
             if p.is_alive():
                 p.kill()
                 p.join()
+        del server
     errors = {r: v for r, (s, v) in reports.items() if s == "error"}
     missing = [] if allow_dead else [r for r in range(world_size) if r not in reports]
     if errors or missing:
