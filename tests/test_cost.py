@@ -40,7 +40,8 @@ def test_spec_is_frozen():
 
 
 @pytest.mark.parametrize("field", ["flops", "half_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth",
-                                   "link_latency_s", "op_overhead_s", "cache_bytes", "cache_bandwidth"])
+                                   "link_latency_s", "op_overhead_s", "dispatch_overhead_s", "unit_overhead_s",
+                                   "cache_bytes", "cache_bandwidth"])
 def test_negative_rate_names_the_field(field):
     with pytest.raises(replica.ConfigError, match=rf"DeviceSpec\.{field} must be a finite number >= 0, got -1"):
         spec(**{field: -1})
@@ -338,6 +339,34 @@ def test_call_overhead_is_what_one_more_call_costs():
         one_more = m.backward_time(node, 2) - m.backward_time(node, 1)
         assert m.call_overhead(node, backward=True) == pytest.approx(one_more)
     assert CostModel(spec()).call_overhead(op(kind="input")) == 0.0
+
+
+def test_an_op_on_dtensors_pays_the_dispatch_per_call_each_way():
+    from replica.partition.cost import TensorParallelCosts
+    from replica.partition.profile import OpTimes
+
+    dispatch = spec(dispatch_overhead_s=3e-5)
+    cut = TensorParallelCosts(size=2, sharded=frozenset({"n"}))
+    node, other = op(flops=1e9, nbytes=1e3), dataclasses.replace(op(flops=1e9, nbytes=1e3), name="m")
+    for measured in ({}, {"n": OpTimes(1e-3, 2e-3, 1e-4, 3e-4), "m": OpTimes(1e-3, 2e-3, 1e-4, 3e-4)}):
+        with_, without = (CostModel(dispatch, tensor_parallel=cut, measured=measured),
+                          CostModel(spec(), tensor_parallel=cut, measured=measured))
+        for calls in (1, 4):
+            assert with_.forward_time(node, calls) == pytest.approx(without.forward_time(node, calls) + calls * 3e-5)
+            assert with_.backward_time(node, calls) == pytest.approx(without.backward_time(node, calls) + calls * 3e-5)
+            assert with_.forward_time(other, calls) == pytest.approx(without.forward_time(other, calls))  # plain
+        assert with_.call_overhead(node) == pytest.approx(with_.forward_time(node, 2) - with_.forward_time(node, 1))
+    assert CostModel(dispatch).forward_time(node) == pytest.approx(CostModel(spec()).forward_time(node))  # no TP
+
+
+def test_the_cpu_prices_dtensor_and_fsdp_in_its_own_launches(tmp_path, monkeypatch):
+    monkeypatch.setenv("REPLICA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "_CPU_SPECS", {})
+    s = device_spec("cpu")
+    assert s.dispatch_overhead_s == pytest.approx(cost.DTENSOR_DISPATCH_OPS * s.op_overhead_s)
+    assert s.unit_overhead_s == pytest.approx(cost.FSDP_UNIT_OPS * s.op_overhead_s)
+    monkeypatch.setattr(cost, "_CPU_SPECS", {})
+    assert all(p.dispatch_overhead_s == p.unit_overhead_s == 0 for p in PRESETS.values())  # GPUs: hidden
 
 
 def fake_caches(root, levels):

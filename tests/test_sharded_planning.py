@@ -145,6 +145,23 @@ def test_collectives_are_priced_as_ring_all_gathers_and_one_reduce_scatter():
     assert (whole.gathers, whole.collective_s) == (0, pytest.approx(2 * move))  # all-reduce: two passes
 
 
+def test_fsdp_pays_its_fixed_cost_per_unit_and_action_in_full():
+    """FSDP2's host work (``unit_overhead_s``) per unit on every forward and backward of a sharded
+    stage, none of it hidden; replicas pay none: a tie on bytes is then the replicas'."""
+    fixed = dataclasses.replace(SPEC, unit_overhead_s=1e-4)
+    weights = StageWeights(nbytes=WEIGHTS, gathered_bytes=WEIGHTS, units=DEPTH + 1)
+    for sharding in ("zero3", "zero2"):
+        layout = Layout(schedule="1f1b", num_stages=1, pipeline_ranks=1, data_parallel_size=WORLD, sharding=sharding)
+        plain, priced = (price_collectives(s, layout, weights, "FBFB", 1.0, 2.0) for s in (SPEC, fixed))
+        assert priced.total_s == pytest.approx(plain.total_s + 4 * (DEPTH + 1) * 1e-4)
+        assert priced.exposed_s == pytest.approx(plain.exposed_s + 4 * (DEPTH + 1) * 1e-4)
+    layout = Layout(schedule="1f1b", num_stages=1, pipeline_ranks=1, data_parallel_size=WORLD)
+    assert price_collectives(fixed, layout, weights, "FBFB", 1.0, 2.0) == \
+        price_collectives(SPEC, layout, weights, "FBFB", 1.0, 2.0)
+    p = plan(None, microbatches=None, device=dataclasses.replace(fixed, link_bandwidth=1e12))
+    assert p.layout.sharding == "none"
+
+
 def test_what_compute_hides_and_what_it_does_not():
     """Slow links: the step waits for all but the compute the collectives run under (zero3 with
     two micro-batches gathers under F0, B0 and B1, and reduces under B1). Fast links: only the

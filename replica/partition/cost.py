@@ -34,6 +34,12 @@ class DeviceSpec:
     each device's bus bandwidth in a collective among devices of one node (NVLink);
     ``network_bandwidth`` the per-device bandwidth between nodes (0: same as the link),
     which a collective spanning nodes runs at (:meth:`collective_bandwidth`).
+    ``dispatch_overhead_s`` is what DTensor's dispatch adds to each op computing on DTensors (a
+    tensor-parallel block's, sequence parallelism's token-wise ops), per call, forward and again
+    in backward; ``unit_overhead_s`` what FSDP2 adds per unit to each forward and backward of a
+    sharded stage (its hooks and state changes, the copies around its collectives): host time,
+    measured on gloo CPU ranks by ``benchmarks/fixed_costs_cpu.py``; 0 on the GPU presets, whose
+    host runs ahead of the kernels it launches (not measured there).
     ``datasheet_flops`` is the vendor's dense half-precision peak, the denominator of
     model-FLOPs utilisation (0: ``half_flops``). ``cache_bytes`` is the last-level cache one
     device's work can count on (a CPU process: its share of the cache when every core sharing
@@ -50,6 +56,8 @@ class DeviceSpec:
     link_bandwidth: float
     link_latency_s: float
     op_overhead_s: float = 0.0
+    dispatch_overhead_s: float = 0.0
+    unit_overhead_s: float = 0.0
     devices_per_node: int = 1
     network_bandwidth: float = 0.0
     datasheet_flops: float = 0.0
@@ -164,6 +172,14 @@ def _best_time(fn: "object", repeats: int) -> float:
     return best
 
 
+# DTensor's and FSDP2's fixed costs in plain ops' launches (``op_overhead_s``), measured on 2 gloo
+# ranks of one thread by benchmarks/fixed_costs_cpu.py (benchmarks/RESULTS.md): a DTensor op's
+# forward took ~12 plain ops' time, and FSDP2 added ~210 per unit to each forward and backward
+# (zero2 against the same units replicated); in launches, so that a faster CPU prices them lower
+DTENSOR_DISPATCH_OPS = 12
+FSDP_UNIT_OPS = 210
+
+
 def _measure_cpu() -> DeviceSpec:
     """Time a matmul, a large copy, a copy that fits this process's share of the last-level
     cache, and a tiny op, with this process's thread count."""
@@ -184,7 +200,8 @@ def _measure_cpu() -> DeviceSpec:
     overhead = _best_time(lambda: [tiny.add(1) for _ in range(200)], 5) / 200
     return DeviceSpec(name=f"cpu-{threads}t", flops=flops, half_flops=flops / 4, memory_bandwidth=bandwidth,
                       memory_bytes=_total_memory(), link_bandwidth=2 * GB, link_latency_s=60e-6,
-                      op_overhead_s=overhead, cache_bytes=cache if cache_bandwidth else 0.0,
+                      op_overhead_s=overhead, dispatch_overhead_s=DTENSOR_DISPATCH_OPS * overhead,
+                      unit_overhead_s=FSDP_UNIT_OPS * overhead, cache_bytes=cache if cache_bandwidth else 0.0,
                       cache_bandwidth=cache_bandwidth)
 
 
@@ -296,7 +313,8 @@ class TensorParallelCosts:
 
     ``sharded``: the ops that compute on shards: their FLOPs and bytes moved (or, measured,
     the part of their time that grows with the batch) are divided by ``size``; their launch
-    overhead is not. ``forward`` / ``backward``: per op, the ring collectives over the
+    overhead is not, and each of their calls pays DTensor's dispatch
+    (``DeviceSpec.dispatch_overhead_s``). ``forward`` / ``backward``: per op, the ring collectives over the
     tensor-parallel group that follow it in its forward / its backward, each ``(bytes of the
     whole tensor at the traced batch, passes)``: an exit's output all-reduced (2 passes) or
     all-gathered (1), an entry's gradient all-reduced (2). Each runs once per micro-batch call
@@ -340,6 +358,12 @@ class CostModel:
         """The share of ``node``'s work one rank does: ``1 / size`` for an op computing on shards."""
         tp = self.tensor_parallel
         return 1.0 / tp.size if tp is not None and node.name in tp.sharded else 1.0
+
+    def _dispatch(self, node: Node) -> float:
+        """What DTensor's dispatch adds to one call of ``node`` (forward, or backward): an op
+        computing on DTensors (``TensorParallelCosts.sharded``) pays ``dispatch_overhead_s``."""
+        tp = self.tensor_parallel
+        return self.device.dispatch_overhead_s if tp is not None and node.name in tp.sharded else 0.0
 
     def collective_time(self, node: Node, num_calls: int = 1, backward: bool = False) -> float:
         """Seconds of the tensor-parallel collectives that follow ``node``'s forward (or its
@@ -388,8 +412,9 @@ class CostModel:
         if node.name in self.measured:
             t = self.measured[node.name]
             seconds, fixed = (t.backward_s, t.backward_fixed_s) if backward else (t.forward_s, t.forward_fixed_s)
-            return min(seconds, self.device.op_overhead_s if fixed is None else fixed) + collective
-        return (self.backward_factor if backward else 1.0) * self.device.op_overhead_s + collective
+            return min(seconds, self.device.op_overhead_s if fixed is None else fixed) + collective \
+                + self._dispatch(node)
+        return (self.backward_factor if backward else 1.0) * self.device.op_overhead_s + collective + self._dispatch(node)
 
     def forward_time(self, node: Node, num_calls: int = 1) -> float:
         """Seconds to run ``node`` over the traced batch (times ``batch_fraction``), split
@@ -404,7 +429,8 @@ class CostModel:
         return seconds
 
     def _forward_time(self, node: Node, num_calls: int) -> float:
-        collective = self.collective_time(node, num_calls) if self.tensor_parallel is not None else 0.0
+        collective = self.collective_time(node, num_calls) + num_calls * self._dispatch(node) \
+            if self.tensor_parallel is not None else 0.0
         if node.name in self.measured:
             t = self.measured[node.name]
             return self._from_measured(t.forward_s, t.forward_fixed_s, num_calls, self._share(node)) \
@@ -429,7 +455,8 @@ class CostModel:
         return seconds
 
     def _backward_time(self, node: Node, num_calls: int) -> float:
-        collective = self.collective_time(node, num_calls, backward=True) if self.tensor_parallel is not None else 0.0
+        collective = self.collective_time(node, num_calls, backward=True) + num_calls * self._dispatch(node) \
+            if self.tensor_parallel is not None else 0.0
         if node.name in self.measured:
             t = self.measured[node.name]
             return self._from_measured(t.backward_s, t.backward_fixed_s, num_calls, self._share(node)) \

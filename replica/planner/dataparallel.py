@@ -40,6 +40,11 @@ bandwidth, SMs) is not priced. The simulator adds each rank's exposed seconds af
 action (``simulate(allreduce_s=)``): exact for one stage, where nothing waits on the rank;
 in a pipeline a gather exposed at the start of a stage's forward would delay the next stage
 too, which this leaves out.
+
+Fixed costs: a sharded stage also pays FSDP2's own host work per unit on each of its forwards
+and backwards (``DeviceSpec.unit_overhead_s``: hooks, state changes, the copies around its
+collectives; measured on CPU ranks, 0 on the GPU presets), counted with its collectives, all
+of it exposed: it runs in the rank's own stream, not beside its compute.
 """
 
 from __future__ import annotations
@@ -129,6 +134,9 @@ def price_collectives(spec: DeviceSpec, layout: Layout, weights: StageWeights, k
         if comm > 0:
             total += comm
             exposed += head + max(0.0, comm - head - (forward_s if kind == FORWARD else backward_s))
+    if layout.sharded:  # FSDP's own work around every action of every unit, in the rank's stream
+        fixed = spec.unit_overhead_s * max(1, weights.units) * len(kinds)
+        total, exposed = total + fixed, exposed + fixed
     return Collectives(total, exposed, sum(gathers for _, gathers in per_action) if layout.sharded else 0)
 
 
