@@ -414,7 +414,8 @@ class CostModel:
             seconds, fixed = (t.backward_s, t.backward_fixed_s) if backward else (t.forward_s, t.forward_fixed_s)
             return min(seconds, self.device.op_overhead_s if fixed is None else fixed) + collective \
                 + self._dispatch(node)
-        return (self.backward_factor if backward else 1.0) * self.device.op_overhead_s + collective + self._dispatch(node)
+        launch = (self.backward_factor if backward else 1.0) * self.device.op_overhead_s
+        return launch + collective + self._dispatch(node)
 
     def forward_time(self, node: Node, num_calls: int = 1) -> float:
         """Seconds to run ``node`` over the traced batch (times ``batch_fraction``), split
