@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import replica  # noqa: E402
+from benchmarks.choice import chosen_vs_rejected  # noqa: E402
 from benchmarks.pipeline_vs_torch import CONFIG, build, timed  # noqa: E402
 from examples.gpt.model import loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
@@ -80,6 +81,11 @@ def job(rank: int, world: int, rounds: int, steps: int, batch: int, microbatches
             return pm.train_step(x, y)
         return step
 
+    chosen = None
+    if rank == 0:  # the planner left free to take sequence parallelism or not, at the same layout
+        free = replica.plan(model, (x,), world_size=world, num_microbatches=microbatches, schedule="1f1b",
+                            graded_microbatches=False, tensor_parallel_size=2, num_stages=1, sequence_parallel=None)
+        chosen = "sp" if free.layout.sequence_parallel else "tp"
     fns = {name: step_fn(pm) for name, pm in pms.items()}
     losses = {name: float(fn()) for name, fn in fns.items()}  # warm-up
     saved = {name: saved_bytes(fn) for name, fn in fns.items()}
@@ -88,7 +94,7 @@ def job(rank: int, world: int, rounds: int, steps: int, batch: int, microbatches
     for r in range(rounds):
         for name in order[r % 2:] + order[:r % 2]:
             times[name].append(timed(fns[name], steps)[0])
-    return dict(rank=rank, times=times, losses=losses, saved=saved,
+    return dict(rank=rank, times=times, losses=losses, saved=saved, chosen=chosen,
                 predicted={n: pm.plan.predicted_step_time_s for n, pm in pms.items()},
                 activations={n: pm.plan.stages[0].activation_bytes for n, pm in pms.items()},
                 layout={n: pm.plan.layout.describe() for n, pm in pms.items()},
@@ -112,6 +118,8 @@ def report(results: list[dict], args: argparse.Namespace, config: dict, wall_s: 
         lines.append(f"| {r0['layout'][name]} ({r0['region'][name]} values on token shards) | "
                      f"{statistics.median(ts):.3f} | {ratio} | {r0['predicted'][name]:.3f} | "
                      f"{r0['activations'][name] / MiB:.2f} | {held} | {r0['losses'][name]:.5f} |")
+    lines += ["", "Chosen vs rejected, measured (`sequence_parallel=None` at the same layout):", ""]
+    lines += chosen_vs_rejected(r0["chosen"], r0["predicted"], r0["times"])
     lines += ["", f"- wall time {wall_s:.0f} s; load average at the end "
               f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}"]
     return lines

@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import replica  # noqa: E402
 from benchmarks.big_model import peak_rss, rss_now  # noqa: E402
+from benchmarks.choice import chosen_vs_rejected  # noqa: E402
 from benchmarks.mixed_precision import reset_peak  # noqa: E402
 from benchmarks.pipeline_vs_torch import CONFIG, build, timed  # noqa: E402
 from examples.gpt.model import loss_fn  # noqa: E402
@@ -133,6 +134,15 @@ def make(sharding: str, world: int, batch: int, microbatches: int):
     assert pm.plan.data_parallel_size == 2, pm.plan.layout.describe()
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4, weight_decay=0.1)
     return pm, optimizer, x, y
+
+
+def free_choice(world: int, batch: int, microbatches: int) -> str:
+    """The sharding the planner chooses for the benchmark's layout when left free
+    (``sharded_data_parallel=None``), priced as the ranks' plans are."""
+    model, x, _ = build()
+    plan = replica.plan(model, (x[:batch],), world_size=world, num_stages=STAGES[world],
+                        num_microbatches=microbatches, schedule="1f1b", graded_microbatches=False)
+    return plan.layout.sharding
 
 
 def units(pm) -> int:
@@ -242,12 +252,14 @@ def timing_job(rank: int, world: int, rounds: int, steps: int, batch: int, micro
         actions[s] = [f"{a.kind}{a.microbatch_index}" for a in pm.runtime.executor.actions
                       if a.kind in (FORWARD, BACKWARD)]
     peaks = {s: tensor_peak(pm, optimizer, x, y) for s, (pm, optimizer, x, y) in runs.items()}
+    chosen = free_choice(world, batch, microbatches) if rank == 0 else None
     times: dict[str, list[float]] = {s: [] for s in SHARDINGS}
     order = list(SHARDINGS)
     for r in range(rounds):
         for s in order[r % len(order):] + order[:r % len(order)]:
             times[s].append(timed(fns[s], steps)[0])
     return dict(rank=rank, stages=[st.stage_index for st in runs["none"][0].stages], times=times, counts=counts,
+                chosen=chosen, predicted_step={s: r[0].plan.predicted_step_time_s for s, r in runs.items()},
                 actions=actions, units={s: units(r[0]) if s != "none" else 0 for s, r in runs.items()},
                 predicted={s: predicted_gathers(r[0], s) for s, r in runs.items() if s != "none"},
                 held={s: held(r[0], r[1]) for s, r in runs.items()}, peaks=peaks,
@@ -418,6 +430,12 @@ def main() -> None:
                       + ("" if all(m["reset"] for m in ms) else " (VmHWM not resettable: lifetime peaks)"))
     print(f"\nsummary (batch {args.batch}, {args.microbatches} micro-batches, 1F1B, AdamW; {args.rounds} rounds):")
     print("\n".join(summary(results)))
+    if not args.no_timing:
+        print("\nchosen vs rejected, measured (rank 0; the planner's choice with sharded_data_parallel=None):")
+        for world, timing, _ in results:
+            r0 = next(r for r in timing if r["rank"] == 0)
+            print(f"\n{world} ranks:")
+            print("\n".join(chosen_vs_rejected(r0["chosen"], r0["predicted_step"], r0["times"])))
     print(f"\nwall time {time.perf_counter() - start:.0f} s; load average (1, 5, 15 min) at the start "
           f"{', '.join(f'{v:.1f}' for v in load)}, at the end {', '.join(f'{v:.1f}' for v in os.getloadavg())} "
           f"({os.cpu_count()} cores)")

@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import replica  # noqa: E402
+from benchmarks.choice import chosen_vs_rejected  # noqa: E402
 from benchmarks.pipeline_vs_torch import CONFIG, build, timed  # noqa: E402
 from examples.gpt.model import loss_fn  # noqa: E402
 from replica.launch import run_local  # noqa: E402
@@ -65,6 +66,16 @@ def param_bytes(pm) -> tuple[int, int]:
         local += local_tensor(p).numel() * p.element_size()
         whole += p.numel() * p.element_size()  # a DTensor's numel() is its global one
     return local, whole
+
+
+def free_choice(batch: int, microbatches: int) -> str:
+    """Which of ``LAYOUTS`` the planner takes for 2 ranks when left free (tensor parallelism, stages
+    and replicas its own; replicas not sharded, as ``dp`` runs them), priced as the ranks' plans are."""
+    model, x, _ = build()
+    plan = replica.plan(model, (x[:batch],), world_size=2, num_microbatches=microbatches, schedule="1f1b",
+                        tensor_parallel_size=None, sharded_data_parallel=False, graded_microbatches=False)
+    layout = plan.layout
+    return "tp" if layout.tensor_parallel_size > 1 else "pp" if layout.pipeline_ranks > 1 else "dp"
 
 
 def job(rank: int, world: int, rounds: int, steps: int, batch: int, microbatches: int, config: dict) -> dict:
@@ -89,6 +100,7 @@ def job(rank: int, world: int, rounds: int, steps: int, batch: int, microbatches
             return pm.train_step(x, y)
         return step
 
+    chosen = free_choice(batch, microbatches) if rank == 0 else None
     fns = {name: step_fn(pm) for name, pm in pms.items()}
     losses, warm = {}, {}
     for name, fn in fns.items():  # warm up (the first step allocates the gradients), keep its loss
@@ -101,7 +113,7 @@ def job(rank: int, world: int, rounds: int, steps: int, batch: int, microbatches
         for name in order[r % len(order):] + order[:r % len(order)]:
             times[name].append(timed(fns[name], steps)[0])
     return dict(
-        rank=rank, times=times, losses=losses, warm=warm, built=built_s,
+        rank=rank, times=times, losses=losses, warm=warm, built=built_s, chosen=chosen,
         params={n: param_bytes(pm) for n, pm in pms.items()},
         predicted={n: pm.plan.predicted_step_time_s for n, pm in pms.items()},
         layout={n: pm.plan.layout.describe() for n, pm in pms.items()},
@@ -134,6 +146,12 @@ def report(results: list[dict], args: argparse.Namespace, config: dict, wall_s: 
                           f"of {r['params'][name][1] / MiB:.2f})" for r in results)
         lines.append(f"| {NAMES[name]} | {r0['layout'][name]} | {med:.3f} | {ratio} | {pred:.3f} "
                      f"({med / pred:.2f}) | {cut} | {held} | {r0['losses'][name]:.4f} |")
+    lines += ["", "Chosen vs rejected, measured (the planner left free: `tensor_parallel_size=None`, stages and "
+              "replicas its own; on a CPU it offers tensor parallelism only where asked, so the tp row is the "
+              "price it would pay):", ""]
+    lines += chosen_vs_rejected(r0["chosen"], r0["predicted"], r0["times"])
+    if r0["chosen"] != "dp":
+        lines += chosen_vs_rejected("dp", r0["predicted"], {"dp": dp, "tp": r0["times"]["tp"]})[2:]
     lines.append("")
     for name in LAYOUTS:
         note = r0["note"][name]
