@@ -25,7 +25,14 @@ from replica.partition.blocks import block_of, find_blocks, repeated_containers
 from replica.partition.cost import CostModel
 from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo, fingerprint
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
-from replica.partition.recompute import check_mode, kept_by_selective, regions, saves_activation, stage_activations
+from replica.partition.recompute import (
+    Activations,
+    check_mode,
+    kept_by_selective,
+    regions,
+    saves_activation,
+    stage_activations,
+)
 from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
 from replica.units import format_bytes
 
@@ -195,20 +202,36 @@ def _deferred(n: Node) -> bool:
     return n.target.split(".")[0] in ("linear", "addmm") and bool(n.parameters)
 
 
+def _activations(graph: Graph, members: Sequence[Node], blocks: Sequence[str], mode: object) -> tuple[Activations, int]:
+    """:func:`~replica.partition.recompute.stage_activations` of ``members`` (a run of ``graph``'s
+    nodes), and the autocast weight copies of its largest checkpointed region: once per run,
+    blocks and mode of a graph (the tuner describes and reshards the same stages for every
+    micro-batch count and layout)."""
+    known = graph.__dict__.setdefault("_stage_activations", {})
+    key = (members[0].name, members[-1].name, len(members), tuple(blocks), type(mode).__name__, mode) \
+        if members else None
+    if key is None or key not in known:
+        act = stage_activations(members, blocks, mode)
+        largest = max((weight_copy_bytes(graph, region) for region in regions(members, blocks)
+                       if region and region[0].name in act.inside), default=0) if act.inside else 0
+        if key is None:
+            return act, largest
+        known[key] = (act, largest)
+    return known[key]
+
+
 def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[str], cm: CostModel, m: int,
                        memory_model: MemoryModel, deferring: bool = False) -> tuple[int, int, frozenset[str]]:
     """What the whole batch's forwards keep on a stage of ``members`` (each micro-batch's
     activations under the recompute mode, and autocast's weight copies where FSDP does not
     gather the weights already cast), the bytes its largest recomputed block rebuilds at once,
     and the ops run again (:func:`replica.partition.recompute.stage_activations`)."""
-    act = stage_activations(members, blocks, memory_model.recompute)
+    act, largest = _activations(graph, members, blocks, memory_model.recompute)
     # autocast's weight copies: kept per micro-batch outside checkpointed regions, made again inside
     # them (one region's at a time; a stage without blocks is its one region)
     outside = [n for n in members if n.name not in act.inside and not (deferring and _deferred(n))]
     copies = 0 if memory_model.sharded else m * weight_copy_bytes(graph, outside)
-    rebuilt = 0 if memory_model.sharded or not act.inside else m * max(
-        weight_copy_bytes(graph, region) for region in regions(members, blocks)
-        if region and region[0].name in act.inside)
+    rebuilt = 0 if memory_model.sharded or not act.inside else m * largest
     # k blocks: the first ones, rebuilt last, when the later blocks' kept activations are freed;
     # every block: priced at the largest, as the solver prices any cut (the tuner's choice must
     # fit again when it is cut within the budget)
@@ -232,11 +255,10 @@ def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
         kept, rebuilt = st.activation_bytes, st.recompute_bytes
         if not plan.layout.sharded:  # FSDP gathers the weights already cast: no autocast copies
             members = [graph[n] for n in st.node_names]
-            act = stage_activations(members, st.blocks, st.recompute)
+            act, largest = _activations(graph, members, st.blocks, st.recompute)
             kept -= m * weight_copy_bytes(graph, [n for n in members if n.name not in act.inside])
             if act.inside:
-                rebuilt -= m * max(weight_copy_bytes(graph, r) for r in regions(members, st.blocks)
-                                   if r and r[0].name in act.inside)
+                rebuilt -= m * largest
         activations = int(held_activations(kept, rebuilt, received, st.in_flight, m))
         stages.append(dataclasses.replace(
             st, activation_bytes=kept, recompute_bytes=rebuilt,
@@ -554,6 +576,15 @@ class _Modes:
 
 
 def _modes(graph: Graph, mode: object) -> _Modes:
+    """The mode's prices per node, once per graph and mode (every cut of the tuner asks)."""
+    known = graph.__dict__.setdefault("_modes", {})
+    key = (type(mode).__name__, mode)
+    if key not in known:
+        known[key] = _price_modes(graph, mode)
+    return known[key]
+
+
+def _price_modes(graph: Graph, mode: object) -> _Modes:
     nodes = graph.nodes
     saved = np.array([float(x.output_bytes) if saves_activation(x) else 0.0 for x in nodes])
     zeros = np.zeros(len(nodes))

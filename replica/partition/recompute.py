@@ -19,6 +19,7 @@ last, as the runtime cuts it (:mod:`replica.stage.checkpoint`). Nothing here imp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -105,12 +106,17 @@ def regions(members: Sequence[Node], blocks: Sequence[str]) -> list[list[Node]]:
     when it holds no block."""
     if not blocks:
         return [[n for n in members if n.kind == OP]]
-    out = []
-    for block in blocks:
-        at = [i for i, n in enumerate(members) if n.kind == OP and block_of(n.module_path) == block]
-        if at:
-            out.append([n for n in members[at[0]:at[-1] + 1] if n.kind == OP])
-    return out
+    span: dict[str, list[int]] = {}  # block -> [its first op, its last op], one pass over the members
+    for i, n in enumerate(members):
+        if n.kind == OP and (b := _block_of(n.module_path)) is not None:
+            span.setdefault(b, [i, i])[1] = i
+    return [[n for n in members[span[b][0]:span[b][1] + 1] if n.kind == OP] for b in blocks if b in span]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _block_of(module_path: str) -> str | None:
+    """:func:`block_of` once per module path (every cut and layout of the tuner asks for the same ones)."""
+    return block_of(module_path)
 
 
 def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: object) -> Activations:
