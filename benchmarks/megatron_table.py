@@ -148,7 +148,7 @@ def price(row: Row, device: replica.DeviceSpec | str = "a100-80gb", chunks: int 
                         tensor_parallel_size=row.tp, num_stages=row.pp * chunks, data_parallel_size=row.dp,
                         num_microbatches=row.num_microbatches, schedule="interleaved" if chunks > 1 else "1f1b",
                         recompute=True, sharded_data_parallel=False, cost="analytic", memory_budget=float("inf"),
-                        options=options)
+                        sequence_parallel=False, options=options)  # SC'21's runs: no sequence parallelism
     return plan, time.perf_counter() - start
 
 

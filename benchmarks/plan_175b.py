@@ -84,11 +84,12 @@ def plan_megatron_gpt(config: MegatronGPTConfig, world_size: int, global_batch: 
 
 def megatron_layout(tp: int, pp: int, dp: int, chunks: int, global_batch: int = 1536) -> dict:
     """``replica.plan``'s arguments for one of Megatron's layouts: micro-batches of one
-    sequence, activation recomputation, replicas not sharded, no memory budget (its memory
-    is printed)."""
+    sequence, activation recomputation, replicas not sharded, no sequence parallelism, no memory
+    budget (its memory is printed)."""
     return dict(tensor_parallel_size=tp, num_stages=pp * chunks, data_parallel_size=dp,
                 num_microbatches=global_batch // dp, schedule="interleaved" if chunks > 1 else "1f1b",
-                recompute=True, sharded_data_parallel=False, memory_budget=float("inf"))
+                recompute=True, sharded_data_parallel=False, memory_budget=float("inf"),
+                sequence_parallel=False)  # SC'21's runs: no sequence parallelism (2022's paper added it)
 
 
 ROW_HEADER = ("| plan | tp x pp x dp | stages, schedule | micro-batches (sequences each) | recompute | predicted step "

@@ -186,7 +186,17 @@ def _count_units(graph: Graph, memory_model: MemoryModel) -> tuple[float, float]
 
 def _state_bytes(graph: Graph, names: Sequence[str], memory_model: MemoryModel, units: tuple[float, float],
                  accumulating: bool) -> tuple[int, int, int]:
-    """(weights and buffers, gradients, optimizer state) of a stage holding parameters ``names``."""
+    """(weights and buffers, gradients, optimizer state) of a stage holding parameters ``names``,
+    once per stage and memory model of a graph (the tuner lays the same stages out many ways)."""
+    known = graph.__dict__.setdefault("_state_bytes", {})
+    key = (tuple(names), memory_model, units, accumulating)
+    if key not in known:
+        known[key] = _count_state(graph, names, memory_model, units, accumulating)
+    return known[key]
+
+
+def _count_state(graph: Graph, names: Sequence[str], memory_model: MemoryModel, units: tuple[float, float],
+                 accumulating: bool) -> tuple[int, int, int]:
     infos = [graph.parameters[p] for p in names]
     weights = sum(p.nbytes for p in infos if not p.is_buffer)
     gathered = sum(memory_model.gathered_bytes(p) for p in infos if not p.is_buffer)
