@@ -453,11 +453,15 @@ def partition(
             c[memory_matrix(k) > budgets[k]] = INF
         return c
 
+    # no budget and one device kind: every stage's matrix is the same, made once (the tuner's cuts)
+    alike = all(b == INF for b in budgets) and len({id(cm) for cm in models}) == 1
+    costs = time_matrix(0) if alike else stage_cost
+
     units = [fsdp_unit(x.module_path or "") for x in nodes]  # a node's block: model.layers.3, or ""
     at_block = np.array([0 < edges[s] < len(nodes) and units[edges[s] - 1] != units[edges[s]]
                          for s in range(num_seg + 1)])
     try:
-        result = solve(stage_cost, num_stages, preferred_cuts=at_block if at_block.any() else None, tie=BLOCK_TIE)
+        result = solve(costs, num_stages, preferred_cuts=at_block if at_block.any() else None, tie=BLOCK_TIE)
     except ValueError:
         raise _infeasible(graph, num_stages, budgets, (static, kept * m, rebuilt * m, recv), schedule, m,
                           num_seg) from None
@@ -679,6 +683,14 @@ def held_tensors(graph: Graph, members: Sequence[Sequence[Node]]) -> list[list[s
     return held
 
 
+def _fingerprint(graph: Graph) -> str:
+    """:func:`~replica.partition.graph.fingerprint`, hashed once per graph (every cut's plan carries it)."""
+    known = graph.__dict__.get("_fingerprint")
+    if known is None or known[0] != len(graph.nodes):
+        known = graph.__dict__["_fingerprint"] = (len(graph.nodes), fingerprint(graph))
+    return known[1]
+
+
 def _describe(
     graph: Graph, models: list[CostModel], bounds: list[int], bottleneck: float, m: int, schedule: str,
     flights: list[int], memory_model: MemoryModel, latency: list[float], exact: bool, lower_bound: float,
@@ -771,6 +783,6 @@ def _describe(
         model_name=graph.model_name, layout=Layout(schedule=schedule, num_stages=num_stages, pipeline_ranks=ranks),
         num_microbatches=m,
         device=devices[0] if len(devices) == 1 else "+".join(devices), stages=tuple(stages),
-        predicted_step_time_s=step, tied_parameters=tied, graph_fingerprint=fingerprint(graph),
+        predicted_step_time_s=step, tied_parameters=tied, graph_fingerprint=_fingerprint(graph),
         exact=exact, lower_bound_s=lower_bound, recompute=memory_model.recompute,
     )

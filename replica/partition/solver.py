@@ -177,9 +177,11 @@ def _min_squares(
     best = np.full(n + 1, INF)
     best[0] = 0.0
     choice = np.zeros((num_stages, n + 1), dtype=np.int64)
+    c, squared = None, None
     for k in range(num_stages):
-        c = stage_cost(k)
-        squared = np.where(c <= limit, c * c, INF)
+        previous, c = c, stage_cost(k)
+        if c is not previous:  # the same matrix for every stage (one device, no budget): squared once
+            squared = np.where(c <= limit, c * c, INF)
         start = np.where(mask, best, INF) + (penalty if k > 0 else 0.0)  # stage k > 0 starts at a cut
         trial = start[:, None] + squared
         choice[k] = np.argmin(trial, axis=0)

@@ -108,6 +108,7 @@ class Pricing:
         self._models: dict[tuple[DeviceSpec, float, int, bool], CostModel] = {}
         self._work: dict[tuple[int, int, int, bool, bool], float] = {}
         self._positions: dict[tuple[int, bool], dict[str, int]] = {}
+        self._shapes: dict[tuple[str, int, int, int], tuple[dict[int, int], list[int]]] = {}
         self.graded, self.options = graded, options
         self.batch = microbatch.batch_size(inputs, "example_inputs")
         self.batch_scale = batch_scale
@@ -307,6 +308,15 @@ class Pricing:
         index = self._positions[key]
         return [0, *(index[st.node_names[0]] for st in plan.stages[1:]), len(graph.nodes)]
 
+    def _placement(self, layout: Layout, num_microbatches: int) -> tuple[dict[int, int], list[int]]:
+        """Where ``layout``'s schedule puts each stage and the micro-batches each holds at once, at
+        ``num_microbatches``: made once per shape (the tuner cuts many layouts of the same shape)."""
+        key = (layout.schedule, layout.num_stages, num_microbatches, layout.pipeline_ranks)
+        if key not in self._shapes:
+            actions = make_schedule(*key, check=False)
+            self._shapes[key] = (placement(actions), max_in_flight(actions, layout.num_stages))
+        return self._shapes[key]
+
     def partition_for(self, layout: Layout, num_microbatches: int, *, within_budget: bool = True,
                       recompute: bool | str | int = False, simulated: bool = True, like: Plan | None = None) -> Plan:
         """The plan of ``layout`` with ``num_microbatches`` micro-batches per replica, priced
@@ -336,13 +346,16 @@ class Pricing:
         models = [by_spec.setdefault(id(sp), self.cost_model(sp, batch_fraction, t, layout.sequence_parallel))
                   for sp in specs]
         blocks = self.blocks_for(t)
-        schedule_data = make_schedule(layout.schedule, layout.num_stages, m, layout.pipeline_ranks, check=simulated)
-        where = placement(schedule_data)
+        if simulated:
+            schedule_data = make_schedule(layout.schedule, layout.num_stages, m, layout.pipeline_ranks)
+            where, flights = placement(schedule_data), max_in_flight(schedule_data, layout.num_stages)
+        else:
+            where, flights = self._placement(layout, m)
         result = partition(self.graph_for(t, layout.sequence_parallel), models, num_stages=layout.num_stages,
                            num_microbatches=m,
                            schedule=layout.schedule, memory_model=self.memory_model_for(layout, recompute),
                            memory_budget=self.memory_budget if within_budget else None,
-                           in_flight=max_in_flight(schedule_data, layout.num_stages),
+                           in_flight=flights,
                            stage_ranks=[where[k] for k in range(layout.num_stages)], together=together(blocks),
                            bounds=None if like is None else self._bounds_of(like, layout))
         result = dataclasses.replace(result, layout=layout, tensor_parallel=blocks,
