@@ -173,11 +173,12 @@ def _best_time(fn: "object", repeats: int) -> float:
 
 
 # DTensor's and FSDP2's fixed costs in plain ops' launches (``op_overhead_s``), measured on 2 gloo
-# ranks of one thread by benchmarks/fixed_costs_cpu.py (benchmarks/RESULTS.md): a DTensor op's
-# forward took ~12 plain ops' time, and FSDP2 added ~210 per unit to each forward and backward
-# (zero2 against the same units replicated); in launches, so that a faster CPU prices them lower
-DTENSOR_DISPATCH_OPS = 12
-FSDP_UNIT_OPS = 210
+# ranks of one thread by benchmarks/fixed_costs_cpu.py (benchmarks/RESULTS.md, the median of three
+# runs on a loaded machine): a DTensor op's forward took ~17 plain ops' time (12-51), and FSDP2 added
+# ~160 per unit to each forward and backward (51-210; zero2 against the same units replicated); in
+# launches, so that a faster CPU prices them lower
+DTENSOR_DISPATCH_OPS = 17
+FSDP_UNIT_OPS = 160
 
 
 def _measure_cpu() -> DeviceSpec:

@@ -287,6 +287,16 @@ def in_flight_microbatches(schedule: str, stage_index: int, num_stages: int, num
 
 
 def _cut_candidates(graph: Graph, allowed: list[bool], limit: int) -> list[int]:
+    """:func:`_candidates`, once per graph, allowed positions and limit (the tuner cuts the same
+    graph for many layouts)."""
+    known = graph.__dict__.setdefault("_cut_candidates", {})
+    key = (np.packbits(np.asarray(allowed, dtype=bool)).tobytes(), len(allowed), limit)
+    if key not in known:
+        known[key] = _candidates(graph, allowed, limit)
+    return list(known[key])
+
+
+def _candidates(graph: Graph, allowed: list[bool], limit: int) -> list[int]:
     """Positions worth cutting at when there are too many: module boundaries, then the local
     minima of the bytes crossing a cut, cheapest first, at most ``limit`` of them. Boundaries
     come first, and positions crossed by the same bytes (a residual stream) are taken spread
@@ -432,19 +442,29 @@ def partition(
     fraction = models[0].batch_fraction
     deferred = frozenset(x.name for x in nodes if _deferred(x)) if schedule_kind(schedule).splits_backward \
         else frozenset()
-    static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction, modes.inside | deferred)
-    kept = _segment_sums(modes.kept * fraction / m, seg_of, num_seg) + copies  # a micro-batch's
-    blocks_in = _segment_sums(modes.block_start, seg_of, num_seg)
-    if modes.whole:  # no blocks: a stage is its one block, its whole saved activations rebuilt at once
-        rebuilt = _segment_sums(modes.saved * fraction / m, seg_of, num_seg) + copies - kept
-    else:
-        rebuilt = np.where(blocks_in > 0, modes.peak * fraction / m, 0.0)
-        if modes.k:
-            kept = kept - np.minimum(blocks_in, modes.k) * modes.saving * fraction / m
+    matrices: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def memory() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(static, kept per micro-batch, rebuilt per micro-batch, received) per stage [i, j), made
+        on first use: a cut without a budget (the tuner's) never reads them."""
+        if not matrices:
+            static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction,
+                                                    modes.inside | deferred)
+            kept = _segment_sums(modes.kept * fraction / m, seg_of, num_seg) + copies  # a micro-batch's
+            blocks_in = _segment_sums(modes.block_start, seg_of, num_seg)
+            if modes.whole:  # no blocks: a stage is its one block, its whole saved activations rebuilt at once
+                rebuilt = _segment_sums(modes.saved * fraction / m, seg_of, num_seg) + copies - kept
+            else:
+                rebuilt = np.where(blocks_in > 0, modes.peak * fraction / m, 0.0)
+                if modes.k:
+                    kept = kept - np.minimum(blocks_in, modes.k) * modes.saving * fraction / m
+            matrices.append((static, kept, rebuilt, recv))
+        return matrices[0]
 
     def memory_matrix(k: int) -> np.ndarray:
         # kept activations per micro-batch in flight, one micro-batch's recomputed block, and
         # the received inputs of the micro-batches in flight and the next (held_activations)
+        static, kept, rebuilt, recv = memory()
         return static + held_activations(kept * m, rebuilt * m, recv, flights[k], m)
 
     def stage_cost(k: int) -> np.ndarray:
@@ -463,6 +483,7 @@ def partition(
     try:
         result = solve(costs, num_stages, preferred_cuts=at_block if at_block.any() else None, tie=BLOCK_TIE)
     except ValueError:
+        static, kept, rebuilt, recv = memory()
         raise _infeasible(graph, num_stages, budgets, (static, kept * m, rebuilt * m, recv), schedule, m,
                           num_seg) from None
 
@@ -478,6 +499,7 @@ def partition(
             return float(transfers_by_model[id(models[k])][i, j])
 
         def memory_model_at(k: int, i: int, j: int) -> float:
+            static, kept, rebuilt, recv = memory()
             return float(static[i, j] + held_activations(kept[i, j] * m, rebuilt[i, j] * m, recv[i, j], flights[k], m))
 
         seg_bounds = balance_groups(cost_at, seg_bounds, groups)
