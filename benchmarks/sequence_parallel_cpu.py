@@ -83,7 +83,8 @@ def job(rank: int, world: int, rounds: int, steps: int, batch: int, microbatches
 
     chosen = None
     if rank == 0:  # the planner left free to take sequence parallelism or not, at the same layout
-        free = replica.plan(model, (x,), world_size=world, num_microbatches=microbatches, schedule="1f1b",
+        fresh, _, _ = build()  # the layouts above hold the last model's weights as DTensors
+        free = replica.plan(fresh, (x,), world_size=world, num_microbatches=microbatches, schedule="1f1b",
                             graded_microbatches=False, tensor_parallel_size=2, num_stages=1, sequence_parallel=None)
         chosen = "sp" if free.layout.sequence_parallel else "tp"
     fns = {name: step_fn(pm) for name, pm in pms.items()}
