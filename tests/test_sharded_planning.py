@@ -162,6 +162,20 @@ def test_fsdp_pays_its_fixed_cost_per_unit_and_action_in_full():
     assert p.layout.sharding == "none"
 
 
+def test_on_a_cpu_the_tuner_keeps_a_tiny_gpts_replicas_whole():
+    """The issue's case: on 4 CPU ranks zero2 was predicted faster than replicated (FSDP's fixed
+    costs unpriced) and measured slower; with them priced it is predicted slower."""
+    from tests.models import tiny_gpt
+
+    case = tiny_gpt()
+    free = replica.plan(case.model, case.example_inputs, world_size=4, device="cpu")
+    zero2 = replica.plan(case.model, case.example_inputs, world_size=4, device="cpu", sharded_data_parallel="zero2",
+                         num_stages=free.num_stages, num_microbatches=free.num_microbatches,
+                         schedule=free.layout.schedule)
+    assert not free.layout.sharded
+    assert zero2.predicted_step_time_s > free.predicted_step_time_s * (1 + replica.planner.PlannerOptions().tie)
+
+
 def test_what_compute_hides_and_what_it_does_not():
     """Slow links: the step waits for all but the compute the collectives run under (zero3 with
     two micro-batches gathers under F0, B0 and B1, and reduces under B1). Fast links: only the
