@@ -1,4 +1,4 @@
-"""The one ordered step that wraps a rank's stages: tensor parallelism, stage rewrites, checkpointing, then FSDP2.
+"""The one ordered step that wraps a rank's stages: tensor parallelism, stage rewrites, checkpointing, compile, FSDP2.
 
 torchtitan applies its parallelisms to a model in one explicit order; Replica does the same to
 each stage this process runs, after the pipeline split:
@@ -10,8 +10,10 @@ each stage this process runs, after the pipeline split:
 3. **activation checkpointing** (:mod:`replica.stage.checkpoint`): each stage's blocks, as its
    plan says (every block, the first k, or selective); a stage without blocks whose plan
    checkpoints it runs whole under ``torch.utils.checkpoint`` in the runtime (``whole_stage``);
-   **compilation** plugs in after it (its issue);
-4. **data parallelism**: FSDP2 (``fully_shard`` per block, then the stage) over the mesh's
+4. **compilation** (:mod:`replica.parallel.compile`, where the plan compiles): each stage's graph
+   through ``torch.compile``, its checkpointed blocks compiled inside their checkpoint, its TP
+   DTensors inside and FSDP2's root unit outside;
+5. **data parallelism**: FSDP2 (``fully_shard`` per block, then the stage) over the mesh's
    ``dp_shard`` slice, or ``(dp_replicate, dp_shard)`` under HSDP, for sharded replicas; whole
    replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`).
 
@@ -28,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from replica.parallel.compile import compile_stage
 from replica.parallel.fsdp import shard_stage
 from replica.parallel.mesh import ParallelMesh
 from replica.parallel.tensor_parallel import shard_stage_tensors
@@ -53,7 +56,9 @@ class StageFlags:
     another process sends it before computing its weight gradients (never where FSDP reduces
     gradients inside the backward). ``deferring``: the stages whose linears leave their weight
     gradients for later (every stage under a schedule with W actions; with early input
-    gradients, the stages that send one to another process). ``whole_stage``: the stages
+    gradients, the stages that send one to another process, unless the plan compiles: a
+    deferrable linear runs eagerly, breaking the compiled graph, so a compiled stage's backward
+    runs whole). ``whole_stage``: the stages
     checkpointed whole, "full" or "selective" (those without blocks whose plan checkpoints them)."""
 
     sharded: bool
@@ -76,7 +81,7 @@ def stage_flags(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, d
     early = distributed and plan.sends_input_grads_early
     if splits_backward(schedule):
         deferring = frozenset(s.stage_index for s in stages)
-    elif early:
+    elif early and not plan.compile:
         # a stage that sends no input gradient (the first) keeps autograd's own linears: the
         # rewrite would only cost it (about 3% of its step, benchmarks/RESULTS.md)
         deferring = frozenset(sending_input_grads(stages, placement(schedule)))
@@ -136,12 +141,15 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
             defer_linear_weight_grads(stage.module, skip=in_blocks(checkpointed_blocks(plan, stage.stage_index)))
         if plan.pointwise_recompute or plan.rebuilds:
             rebuildable_norms(stage.module)  # norms that note their eps, so that their outputs can be rebuilt
-    # 3. activation checkpointing: each stage's blocks, as its plan says (then compilation, its issue)
+    # 3. activation checkpointing: each stage's blocks, as its plan says
     for stage in mine:
         blocks = checkpointed_blocks(plan, stage.stage_index)
         if blocks:
             checkpoint_blocks(stage.module, blocks, selective=plan.stages[stage.stage_index].recompute == "selective")
-    # 4. sharded replicas: FSDP2 over the shard slice; their parameters become DTensor shards
+    # 4. compilation: each stage's graph (compiled at its first call)
+    for stage in mine if plan.compile else ():
+        compile_stage(stage.module, deferring=stage.stage_index in flags.deferring)
+    # 5. sharded replicas: FSDP2 over the shard slice; their parameters become DTensor shards
     if mesh is not None and flags.sharded:
         for stage in sorted(mine, key=lambda s: s.stage_index):
             shard_stage(stage.module, mesh.sharding_mesh, reshard_after_forward=plan.layout.sharding == "zero3",

@@ -166,6 +166,10 @@ class Plan:
     # with layout.sequence_parallel: (node, dim) of each value between those blocks held as a
     # sequence shard (replica.partition.sequence_parallel); () without, or where none has such a dim
     sequence_shards: tuple[tuple[str, int], ...] = ()
+    # every stage runs through torch.compile (replica.parallel.compile), priced with its fused
+    # pointwise ops (replica.partition.cost.fused_ops); ``compile_note``: why, in a few words
+    compile: bool = False
+    compile_note: str = ""
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -267,6 +271,16 @@ class Plan:
         return (f"data parallel: {d} {self.layout.sharding}-sharded replicas (FSDP2): each stage's weights "
                 f"all-gathered{dtype} {count} time{'s' if count != '1' else ''} a step, its gradients "
                 f"reduce-scattered once: {times}")
+
+    @property
+    def compile_line(self) -> str:
+        """One line on compilation: on or off, and why."""
+        if not self.compile:
+            return f"compile: off ({self.compile_note})" if self.compile_note else "compile: off"
+        split = " zero-bubble stages run each deferred linear eagerly between their compiled graphs (its weight " \
+                "gradient is computed by a W action);" if self.layout.kind.splits_backward else ""
+        return (f"compile: every stage through torch.compile ({self.compile_note}), the batch dim dynamic;{split} "
+                "checkpointed blocks compiled inside their checkpoint")
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -412,6 +426,8 @@ class Plan:
             f"bubble {self.bubble_fraction:.0%}"
         )
         lines.append(self.precision_note)
+        if self.compile or self.compile_note:
+            lines.append(self.compile_line)
         if self.tensor_parallel_note:
             lines.append(self.tensor_parallel_note)
         if self.data_parallel_note:

@@ -17,6 +17,7 @@ from replica.partition.cost import (
     DeviceSpec,
     TensorParallelCosts,
     device_spec,
+    fused_ops,
     preset_for_cuda_device,
     torch_device_of,
 )
@@ -28,6 +29,7 @@ from replica.partition.sequence_parallel import sequence_region
 from replica.partition.tensor_parallel import ShardedBlock, find_blocks
 from replica.partition.trace import Traced
 from replica.planner.costs import stage_costs_from_plan
+from replica.planner.compiling import compile_choice
 from replica.planner.dataparallel import StageWeights, with_collectives
 from replica.planner.options import PlannerOptions
 from replica.planner.sequence_parallel import sequence_costs, sequence_graph
@@ -80,12 +82,15 @@ class Pricing:
     that half precision (FSDP's ``MixedPrecisionPolicy.param_dtype``). A layout with
     ``tensor_parallel_size`` t > 1 is priced on the graph one rank of its group holds, with
     its blocks' collectives (:mod:`replica.planner.tensor_parallel`): :meth:`graph_for`,
-    :meth:`cost_model`; the blocks are found once, when a layout first asks for them."""
+    :meth:`cost_model`; the blocks are found once, when a layout first asks for them. ``compile``
+    (True, False, or None: :func:`~replica.planner.compiling.compile_choice`'s rule) prices
+    compiled stages: their fused pointwise ops free (:func:`~replica.partition.cost.fused_ops`)."""
 
     def __init__(self, traced: Traced, model: torch.nn.Module, *, device: Any, cost: str,
                  memory_budget: float | Sequence[float] | None, memory_model: MemoryModel,
                  num_microbatches: int | None, num_stages_hint: int, graded: bool = True,
-                 options: PlannerOptions = PlannerOptions(), batch_scale: int = 1, precision: str = "fp32") -> None:
+                 options: PlannerOptions = PlannerOptions(), batch_scale: int = 1, precision: str = "fp32",
+                 compile: bool | None = False) -> None:
         if cost not in ("auto", "analytic", "profile"):
             raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {cost!r}")
         inputs = traced.example
@@ -117,6 +122,9 @@ class Pricing:
                                             (self.devices[0] if self.devices else default_device(model)))
         self.dtype = model_dtype(model)
         self.precision = precision
+        # compiled stages: priced with their fused pointwise ops (cost.fused_ops)
+        weights_on = next((p.device.type for p in model.parameters()), "cpu")
+        self.compiled, self.compile_note = compile_choice(compile, self.spec, weights_on)
         self.graph = autocast_graph(traced, model, target_device_type(self.spec), precision, real=real)
         self.measured: dict[Any, Any] = {}
         self.measured_fraction = 1.0
@@ -233,7 +241,9 @@ class Pricing:
             self._models[key] = CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
                                           measured_fraction=self.measured_fraction,
                                           tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size,
-                                                                                     sequence_parallel))
+                                                                                     sequence_parallel),
+                                          fused=fused_ops(self.graph_for(tensor_parallel_size, sequence_parallel))
+                                          if self.compiled else frozenset())
         return self._models[key]
 
     def work(self, layout: Layout, num_microbatches: int, recompute: bool | str | int) -> float:

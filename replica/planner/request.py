@@ -58,7 +58,10 @@ class PlanningOptions:
     checkpoints every block, a stage without blocks whole; ``"selective"`` keeps the blocks'
     matmul and attention outputs and recomputes the rest; an int ``k`` the first k blocks of each
     stage; ``"pointwise"``: rebuild GELU / SiLU outputs in backward on stages that hold several
-    micro-batches; False: none of these; None: the tuner decides), ``mixed_precision`` (None: fp32, or
+    micro-batches; False: none of these; None: the tuner decides), ``compile`` (True: every stage runs
+    through ``torch.compile``, inductor, after activation checkpointing and before FSDP2, priced with
+    its fused pointwise ops; False: eager; None: the planner's rule, on for a GPU device and off on a
+    CPU, said in the plan summary), ``mixed_precision`` (None: fp32, or
     rather the weights' own dtype; ``"bf16"`` / ``"fp16"``: autocast, priced at the device's
     half-precision rate), ``device`` (what the plan is priced for and, for the Trainer, where the
     model runs: None, where the model's weights are; a torch device, ``"cpu"`` / ``"cuda:1"``,
@@ -87,6 +90,7 @@ class PlanningOptions:
     shard_group_size: int | None = None
     sequence_parallel: bool | None = None
     recompute: bool | str | int | None = None
+    compile: bool | None = None
     mixed_precision: Any = None
     device: Any = None
     cost: str = "auto"
@@ -142,6 +146,10 @@ class PlanningOptions:
                 f"(the first k blocks of each stage), 'pointwise' (rebuild GELU / SiLU outputs in backward), "
                 f"False or None (let the tuner decide), got {self.recompute!r}"
             )
+        if not (self.compile is None or isinstance(self.compile, bool)):
+            raise ConfigError(
+                f"compile must be True (every stage through torch.compile), False (eager) or None (the planner "
+                f"decides: on for a GPU, off on a CPU), got {self.compile!r}")
         if self.cost not in ("auto", "analytic", "profile"):
             raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {self.cost!r}")
         if self.tracer not in ("auto", "fx", "export"):

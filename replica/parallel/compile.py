@@ -1,0 +1,133 @@
+"""Compilation of a stage: its fx graph handed to ``torch.compile``, the batch dimension dynamic.
+
+The parallelize step calls :func:`compile_stage` on each stage this process runs, after the
+stage rewrites and activation checkpointing and before FSDP2, as torchtitan's ``apply_compile``
+sits between activation checkpointing and ``fully_shard``. A stage is already an
+``fx.GraphModule``, so its ``forward`` is compiled as it is; the module keeps its class, its
+parameters and their original names (no ``_orig_mod``), and hooks on it (FSDP2's root unit, the
+last stage's output unflattening) stay outside the compiled code.
+
+- **Shapes.** Every tensor a stage receives has its first dimension marked dynamic
+  (``maybe_mark_dynamic``) before each call: graded micro-batches and the last uneven one change
+  it, and a dim compiled static would recompile on each new size.
+- **Zero-bubble stages.** A stage whose linears defer their weight gradients
+  (:mod:`replica.stage.weightgrad`) keeps those linears eager (``torch._dynamo.disable``): traced,
+  their backward would read the weight-gradient sink once, at compile time, and the W actions
+  would find nothing to do. The graph breaks at each of them; the ops between them compile.
+- **Backend.** ``"inductor"`` unless :func:`compile_backend` names another for the stages made
+  inside it (the tests use ``"aot_eager"``: inductor's C++ build costs seconds per graph on a CPU).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+
+from replica.scoped import Scoped
+from replica.stage import weightgrad
+from replica.stage.checkpoint import CHECKPOINTED
+
+__all__ = ["compile_stage", "compile_backend", "compile_seconds", "recompiles", "CompiledStage"]
+
+_backend: Scoped[str] = Scoped("inductor")
+_COMPILED = "replica_compiled"  # the module attribute that holds its CompiledStage
+
+
+@contextmanager
+def compile_backend(name: str) -> Iterator[None]:
+    """Stages compiled inside this block use ``torch.compile``'s backend ``name`` (e.g.
+    ``"aot_eager"``: the same graphs through AOTAutograd without inductor's code generation)."""
+    with _backend.using(name):
+        yield
+
+
+class CompiledStage:
+    """A stage's compiled forward: the batch dimension of every tensor input marked dynamic,
+    then the compiled graph. ``eager_linears``: the deferred linears left out of the graph."""
+
+    def __init__(self, forward: Callable[..., Any], backend: str, eager_linears: int) -> None:
+        self.backend = backend
+        self.eager_linears = eager_linears
+        self._compiled = torch.compile(forward, backend=backend, dynamic=None)
+
+    def __call__(self, *args: Any) -> Any:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return self._compiled(*args)
+
+
+# the deferrable linears, opaque to dynamo: they run eagerly, their backward reading the sink when it runs
+_eager_linear = torch._dynamo.disable(weightgrad.linear)
+_eager_addmm = torch._dynamo.disable(weightgrad.addmm)
+
+
+def _keep_linears_eager(module: fx.GraphModule) -> int:
+    """Point ``module``'s deferrable linears at their dynamo-disabled twins; how many."""
+    twins = {weightgrad.linear: _eager_linear, weightgrad.addmm: _eager_addmm}
+    count = 0
+    for n in module.graph.nodes:
+        if n.op == "call_function" and n.target in twins:
+            n.target = twins[n.target]
+            count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+def _compile_regions(module: fx.GraphModule, backend: str) -> int:
+    """Compile each checkpointed block's region of ``module`` by itself, its
+    ``torch.utils.checkpoint`` call left eager around it (dynamo takes only a selective policy's
+    ``context_fn``, not the batch norms' recompute context every region carries); how many."""
+    count = 0
+    for n in module.graph.nodes:
+        region = getattr(n.target, CHECKPOINTED, None) if n.op == "call_function" else None
+        if region is None:
+            continue
+        _compile_forward(region, backend, 0)
+        eager = torch._dynamo.disable(n.target)
+        setattr(eager, CHECKPOINTED, region)  # FSDP2 finds the region's modules by it
+        n.target = eager
+        count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+def _compile_forward(module: fx.GraphModule, backend: str, eager_linears: int) -> CompiledStage:
+    compiled = CompiledStage(module.forward, backend, eager_linears)
+    module.forward = compiled  # an instance attribute: the class, and so state_dict's names, stay
+    setattr(module, _COMPILED, compiled)
+    return compiled
+
+
+def compile_stage(module: fx.GraphModule, *, deferring: bool = False, backend: str | None = None) -> CompiledStage:
+    """Compile ``module`` (a stage) in place: its ``forward`` becomes a :class:`CompiledStage`
+    (compiled at its first call), and so does each checkpointed block's region inside it.
+    ``deferring``: its linears defer weight gradients (a zero-bubble schedule's W actions), kept
+    eager. ``backend`` None: :func:`compile_backend`'s."""
+    backend = backend or _backend.get()
+    eager = _keep_linears_eager(module) if deferring else 0
+    _compile_regions(module, backend)
+    return _compile_forward(module, backend, eager)
+
+
+def compiled_stage(module: torch.nn.Module) -> CompiledStage | None:
+    """The :class:`CompiledStage` of ``module``, or None where it runs eagerly."""
+    return getattr(module, _COMPILED, None)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling (dynamo, AOTAutograd and the backend; forward
+    and backward graphs), by torch's own account."""
+    spent = torch._dynamo.utils.calculate_time_spent()
+    return float(spent.get("total_wall_time", 0.0))
+
+
+def recompiles() -> int:
+    """Graphs dynamo has compiled in this process (``unique_graphs``): a count that stays put
+    once every micro-batch size has run."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

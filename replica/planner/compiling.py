@@ -1,0 +1,27 @@
+"""Whether a plan's stages run through ``torch.compile``: the user's choice, or the planner's rule."""
+
+from __future__ import annotations
+
+from replica.partition.autocast import target_device_type
+from replica.partition.cost import DeviceSpec
+
+__all__ = ["compile_choice"]
+
+
+def compile_choice(asked: bool | None, spec: DeviceSpec, weights_on: str) -> tuple[bool, str]:
+    """``(compiled, why)`` for a request's ``compile`` on ``spec``, the model's weights being on
+    device type ``weights_on`` ("cpu", "cuda", or "meta" for a model planned without them).
+
+    True and False are the user's (``why`` "compile=True", or "" for False). None is one rule,
+    the same for every model: on where the plan is for a GPU and the weights are not on a CPU
+    (torchtitan's published H100 table gains 1.16x from compile alone on Llama-3 8B, and a GPU
+    step repays the compile seconds within a few hundred steps); off where the stages run on a
+    CPU, where inductor's C++ build costs tens of seconds per graph on a small machine
+    (benchmarks/compile.py measures both): ``compile=True`` still compiles there."""
+    if asked is not None:
+        return asked, "compile=True" if asked else ""
+    if target_device_type(spec) == "cpu" or weights_on == "cpu":
+        where = spec.name if target_device_type(spec) == "cpu" else f"a model on the CPU (priced as {spec.name})"
+        return False, (f"compile=None for {where}: off by the planner's rule, inductor's CPU build costs tens of "
+                       "seconds per graph (benchmarks/compile.py); compile=True turns it on")
+    return True, f"compile=None on {spec.name}: on by the planner's rule, a GPU repays the compile within the run"
