@@ -28,8 +28,8 @@ from replica.partition.profile import profile
 from replica.partition.sequence_parallel import sequence_region
 from replica.partition.tensor_parallel import ShardedBlock, find_blocks
 from replica.partition.trace import Traced
-from replica.planner.costs import stage_costs_from_plan
 from replica.planner.compiling import compile_choice
+from replica.planner.costs import stage_costs_from_plan
 from replica.planner.dataparallel import StageWeights, with_collectives
 from replica.planner.options import PlannerOptions
 from replica.planner.sequence_parallel import sequence_costs, sequence_graph
