@@ -14,6 +14,10 @@ last stage's output unflattening) stay outside the compiled code.
   (:mod:`replica.stage.weightgrad`) keeps those linears eager (``torch._dynamo.disable``): traced,
   their backward would read the weight-gradient sink once, at compile time, and the W actions
   would find nothing to do. The graph breaks at each of them; the ops between them compile.
+- **Tensor parallelism.** A stage holding tensor-parallel blocks runs eagerly (:func:`runs_eagerly`):
+  dynamo does not trace the strided DTensor shards of a fused q/k/v projection here (torch 2.13:
+  a ``_StridedShard``'s properties, then a redistribute on real tensors inside fake tracing).
+  Replica's split of such an output is kept out of any graph all the same.
 - **Backend.** ``"inductor"`` unless :func:`compile_backend` names another for the stages made
   inside it (the tests use ``"aot_eager"``: inductor's C++ build costs seconds per graph on a CPU).
 """
@@ -26,11 +30,14 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
+from replica.parallel import tensor_parallel
+from replica.partition.plan import Plan
 from replica.scoped import Scoped
 from replica.stage import weightgrad
 from replica.stage.checkpoint import CHECKPOINTED
 
-__all__ = ["compile_stage", "compile_backend", "compile_seconds", "recompiles", "CompiledStage"]
+__all__ = ["compile_stage", "compile_backend", "compile_seconds", "recompiles", "CompiledStage", "compiled_stage",
+           "runs_eagerly"]
 
 _backend: Scoped[str] = Scoped("inductor")
 _COMPILED = "replica_compiled"  # the module attribute that holds its CompiledStage
@@ -61,13 +68,13 @@ class CompiledStage:
 
 
 # the deferrable linears, opaque to dynamo: they run eagerly, their backward reading the sink when it runs
-_eager_linear = torch._dynamo.disable(weightgrad.linear)
-_eager_addmm = torch._dynamo.disable(weightgrad.addmm)
+_DEFERRED = {f: torch._dynamo.disable(f) for f in (weightgrad.linear, weightgrad.addmm)}
+# a tensor-parallel split reads its DTensor's placement (dynamo cannot trace _StridedShard's properties)
+_OPAQUE = {tensor_parallel.split: torch._dynamo.disable(tensor_parallel.split)}
 
 
-def _keep_linears_eager(module: fx.GraphModule) -> int:
-    """Point ``module``'s deferrable linears at their dynamo-disabled twins; how many."""
-    twins = {weightgrad.linear: _eager_linear, weightgrad.addmm: _eager_addmm}
+def _keep_eager(module: fx.GraphModule, twins: dict[Callable[..., Any], Callable[..., Any]]) -> int:
+    """Point ``module``'s calls of ``twins``' keys at their dynamo-disabled twins; how many."""
     count = 0
     for n in module.graph.nodes:
         if n.op == "call_function" and n.target in twins:
@@ -87,6 +94,7 @@ def _compile_regions(module: fx.GraphModule, backend: str) -> int:
         region = getattr(n.target, CHECKPOINTED, None) if n.op == "call_function" else None
         if region is None:
             continue
+        _keep_eager(region, _OPAQUE)
         _compile_forward(region, backend, 0)
         eager = torch._dynamo.disable(n.target)
         setattr(eager, CHECKPOINTED, region)  # FSDP2 finds the region's modules by it
@@ -104,13 +112,24 @@ def _compile_forward(module: fx.GraphModule, backend: str, eager_linears: int) -
     return compiled
 
 
+def runs_eagerly(plan: Plan, stage_index: int) -> str:
+    """Why stage ``stage_index`` of ``plan`` runs eagerly ("" where it compiles): not compiled by
+    the plan, or it holds tensor-parallel blocks (see the module's docstring)."""
+    if not plan.compile:
+        return "the plan does not compile"
+    if plan.tensor_parallel_size > 1 and plan.blocks_of(stage_index):
+        return "it holds tensor-parallel blocks (strided DTensor shards dynamo does not trace)"
+    return ""
+
+
 def compile_stage(module: fx.GraphModule, *, deferring: bool = False, backend: str | None = None) -> CompiledStage:
     """Compile ``module`` (a stage) in place: its ``forward`` becomes a :class:`CompiledStage`
     (compiled at its first call), and so does each checkpointed block's region inside it.
     ``deferring``: its linears defer weight gradients (a zero-bubble schedule's W actions), kept
     eager. ``backend`` None: :func:`compile_backend`'s."""
     backend = backend or _backend.get()
-    eager = _keep_linears_eager(module) if deferring else 0
+    eager = _keep_eager(module, _DEFERRED) if deferring else 0
+    _keep_eager(module, _OPAQUE)
     _compile_regions(module, backend)
     return _compile_forward(module, backend, eager)
 

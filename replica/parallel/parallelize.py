@@ -11,8 +11,8 @@ each stage this process runs, after the pipeline split:
    plan says (every block, the first k, or selective); a stage without blocks whose plan
    checkpoints it runs whole under ``torch.utils.checkpoint`` in the runtime (``whole_stage``);
 4. **compilation** (:mod:`replica.parallel.compile`, where the plan compiles): each stage's graph
-   through ``torch.compile``, its checkpointed blocks compiled inside their checkpoint, its TP
-   DTensors inside and FSDP2's root unit outside;
+   through ``torch.compile``, its checkpointed blocks compiled inside their checkpoint, FSDP2's
+   root unit outside (a stage holding tensor-parallel blocks stays eager, said in the summary);
 5. **data parallelism**: FSDP2 (``fully_shard`` per block, then the stage) over the mesh's
    ``dp_shard`` slice, or ``(dp_replicate, dp_shard)`` under HSDP, for sharded replicas; whole
    replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`).
@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from replica.parallel.compile import compile_stage
+from replica.parallel.compile import compile_stage, runs_eagerly
 from replica.parallel.fsdp import shard_stage
 from replica.parallel.mesh import ParallelMesh
 from replica.parallel.tensor_parallel import shard_stage_tensors
@@ -146,8 +146,8 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
         blocks = checkpointed_blocks(plan, stage.stage_index)
         if blocks:
             checkpoint_blocks(stage.module, blocks, selective=plan.stages[stage.stage_index].recompute == "selective")
-    # 4. compilation: each stage's graph (compiled at its first call)
-    for stage in mine if plan.compile else ():
+    # 4. compilation: each stage's graph (compiled at its first call), where the plan compiles it
+    for stage in (s for s in mine if not runs_eagerly(plan, s.stage_index)):
         compile_stage(stage.module, deferring=stage.stage_index in flags.deferring)
     # 5. sharded replicas: FSDP2 over the shard slice; their parameters become DTensor shards
     if mesh is not None and flags.sharded:

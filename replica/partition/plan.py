@@ -279,7 +279,11 @@ class Plan:
             return f"compile: off ({self.compile_note})" if self.compile_note else "compile: off"
         split = " zero-bubble stages run each deferred linear eagerly between their compiled graphs (its weight " \
                 "gradient is computed by a W action);" if self.layout.kind.splits_backward else ""
-        return (f"compile: every stage through torch.compile ({self.compile_note}), the batch dim dynamic;{split} "
+        eager = [s.stage_index for s in self.stages if self.blocks_of(s.stage_index)] \
+            if self.tensor_parallel_size > 1 else []
+        tp = f" stages {eager} run eagerly: their tensor-parallel blocks hold strided DTensor shards dynamo does " \
+             "not trace, and are priced so;" if eager else ""
+        return (f"compile: every stage through torch.compile ({self.compile_note}), the batch dim dynamic;{split}{tp} "
                 "checkpointed blocks compiled inside their checkpoint")
 
     @property

@@ -242,8 +242,9 @@ class Pricing:
                                           measured_fraction=self.measured_fraction,
                                           tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size,
                                                                                      sequence_parallel),
+                                          # stages with tensor-parallel blocks run eagerly (parallel/compile.py)
                                           fused=fused_ops(self.graph_for(tensor_parallel_size, sequence_parallel))
-                                          if self.compiled else frozenset())
+                                          if self.compiled and tensor_parallel_size == 1 else frozenset())
         return self._models[key]
 
     def work(self, layout: Layout, num_microbatches: int, recompute: bool | str | int) -> float:
