@@ -127,3 +127,14 @@ def test_inductor_stages_give_the_plain_models_gradients() -> None:
     assert compiled_stage(pm.stages[0].module).backend == "inductor"
     pm.train_step(x, y)
     assert_same_grads(pm, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_plans_leave_rebuilds_to_the_compiler() -> None:
+    """Rebuilt GELU / LayerNorm outputs go through autograd's saved-tensor hooks and a norm that
+    notes its eps on its autograd node (a graph break): a compiled plan has none, and
+    recompute='pointwise' with compile=True is refused."""
+    model, x, _, _ = tiny_gpt(batch_size=8)
+    plan = replica.plan(model, x, num_stages=2, compile=True)
+    assert not plan.rebuilds and not plan.pointwise_recompute
+    with pytest.raises(ConfigError, match="recompute='pointwise' rebuilds"):
+        replica.plan(model, x, num_stages=2, compile=True, recompute="pointwise")

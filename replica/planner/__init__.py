@@ -59,7 +59,14 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
             f"recompute={full!r} checkpoints blocks (the repeated modules, as transformer.h.0, model.layers.0), but "
             f"{traced.graph.model_name or 'the model'} has none: its module paths repeat no indexed container. Use "
             "recompute=True (each stage checkpointed whole), 'pointwise', False or None")
-    rebuild = r.recompute is not False  # False keeps every activation: no rebuilds either
+    if pricing.compiled and r.recompute == "pointwise":
+        raise ConfigError(
+            "recompute='pointwise' rebuilds GELU / SiLU outputs in backward through autograd's saved-tensor hooks, "
+            "which a compiled stage does not run: torch.compile's partitioner already recomputes cheap pointwise "
+            "ops. Use compile=False with it, or recompute=None / True / 'selective' / False with compile=True")
+    # False keeps every activation: no rebuilds either; nor in compiled stages, whose partitioner
+    # chooses what to recompute (and whose graphs the rebuildable norms would break)
+    rebuild = r.recompute is not False and not pricing.compiled
     if r.tuning:
         world = r.world_size if r.world_size is not None else (r.num_stages or 1)
         schedules = None if r.schedule == "auto" else (r.schedule,)
