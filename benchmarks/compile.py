@@ -1,6 +1,7 @@
-"""Compiled stages on 2 CPU ranks (gloo, 1 thread each): Replica eager vs compiled, and vs torch's pipelining compiled by hand.
+"""Compiled stages on 2 CPU ranks: Replica eager vs compiled, and vs torch's pipelining compiled by hand.
 
-The example GPT (examples/gpt/model.py, its default config: 4 layers, d=128, vocab 256) on a
+The example GPT (examples/gpt/model.py, its default config: 4 layers, d=128, vocab 256) on 2 gloo
+ranks (1 thread each), a
 batch of 16x128 tokens, 1F1B over 2 stages, 4 micro-batches. Modes, alternated round by round in
 one pair of processes (each round starts one mode later), every step the same batch:
 
@@ -27,7 +28,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
