@@ -1,9 +1,9 @@
 """Compiled stages on 2 CPU ranks: Replica eager vs compiled, and vs torch's pipelining compiled by hand.
 
 The example GPT (examples/gpt/model.py, its default config: 4 layers, d=128, vocab 256) on 2 gloo
-ranks (1 thread each), a
-batch of 16x128 tokens, 1F1B over 2 stages, 4 micro-batches. Modes, alternated round by round in
-one pair of processes (each round starts one mode later), every step the same batch:
+ranks (1 thread each), a batch of 16x128 tokens, 1F1B over 2 stages, 4 micro-batches. Modes,
+alternated round by round in one pair of processes (each round starts one mode later), every
+step the same batch:
 
 - ``replica-eager`` / ``replica-compiled``: ``replica.auto_parallel(..., num_stages=2,
   schedule="1f1b", compile=False / True)`` (inductor);
