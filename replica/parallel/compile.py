@@ -10,6 +10,10 @@ last stage's output unflattening) stay outside the compiled code.
 - **Shapes.** Every tensor a stage receives has its first dimension marked dynamic
   (``maybe_mark_dynamic``) before each call: graded micro-batches and the last uneven one change
   it, and a dim compiled static would recompile on each new size.
+- **Checkpointed blocks.** Each block's region (:mod:`replica.stage.checkpoint`) is compiled by
+  itself and run inside its eager ``torch.utils.checkpoint``: dynamo traces a checkpoint only
+  with a selective policy's ``context_fn``, not the batch-norm recompute context every region
+  carries. The stage's graph breaks around each region.
 - **Zero-bubble stages.** A stage whose linears defer their weight gradients
   (:mod:`replica.stage.weightgrad`) keeps those linears eager (``torch._dynamo.disable``): traced,
   their backward would read the weight-gradient sink once, at compile time, and the W actions
