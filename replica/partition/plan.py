@@ -283,8 +283,10 @@ class Plan:
             if self.tensor_parallel_size > 1 else []
         tp = f" stages {eager} run eagerly: their tensor-parallel blocks hold strided DTensor shards dynamo does " \
              "not trace, and are priced so;" if eager else ""
-        return (f"compile: every stage through torch.compile ({self.compile_note}), the batch dim dynamic;{split}{tp} "
-                "checkpointed blocks compiled inside their checkpoint")
+        fsdp = " FSDP2's per-block units run their hooks eagerly between compiled graphs;" \
+            if self.layout.sharded and self.data_parallel_size > 1 else ""
+        return (f"compile: every stage through torch.compile ({self.compile_note}), the batch dim dynamic;{split}{tp}"
+                f"{fsdp} checkpointed blocks compiled inside their checkpoint")
 
     @property
     def tensor_parallel_size(self) -> int:
