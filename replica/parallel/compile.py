@@ -18,6 +18,10 @@ last stage's output unflattening) stay outside the compiled code.
   (:mod:`replica.stage.weightgrad`) keeps those linears eager (``torch._dynamo.disable``): traced,
   their backward would read the weight-gradient sink once, at compile time, and the W actions
   would find nothing to do. The graph breaks at each of them; the ops between them compile.
+- **FSDP2.** Its root unit's hooks sit on the stage module, outside the compiled forward; its
+  per-block units hook the leaf modules the stage graph calls (:mod:`replica.parallel.fsdp`), so
+  dynamo runs those hooks eagerly and the graph breaks at each unit (17 graphs for the example
+  GPT's one zero3 stage, benchmarks/compile.py). Gradients are exact either way.
 - **Tensor parallelism.** A stage holding tensor-parallel blocks runs eagerly (:func:`runs_eagerly`):
   dynamo does not trace the strided DTensor shards of a fused q/k/v projection here (torch 2.13:
   a ``_StridedShard``'s properties, then a redistribute on real tensors inside fake tracing).
