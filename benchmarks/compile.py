@@ -93,6 +93,20 @@ def ratio_cell(num: list[float], den: list[float]) -> str:
     return f"{statistics.median(ratios):.3f} [{low:.3f}-{high:.3f}] ({min(ratios):.3f}-{max(ratios):.3f})"
 
 
+def predicted_gains() -> None:
+    """What the planner's price set (replica.partition.cost.fused_ops) predicts compile gains on an
+    H100 (fp32, 1F1B over 2 stages, 4 micro-batches): planned on meta, nothing runs."""
+    for config in (GPTConfig(), GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=8192, block_size=1024)):
+        with torch.device("meta"):
+            model = GPT(config)
+        x = torch.randint(0, config.vocab_size, (8, config.block_size), device="meta")
+        steps = {c: replica.plan(model, (x,), num_stages=2, num_microbatches=4, schedule="1f1b", device="h100-80gb",
+                                 compile=c).predicted_step_time_s for c in (False, True)}
+        print(f"predicted on h100-80gb, GPT {config.n_layer} layers d={config.n_embd} x 8x{config.block_size} tokens: "
+              f"eager {format_seconds(steps[False])}, compiled {format_seconds(steps[True])}: "
+              f"{steps[False] / steps[True]:.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -115,6 +129,7 @@ def main() -> None:
         print(f"{name:<{w}}{statistics.median(ts):>9.3f}{format_seconds(compile_s):>11}{str(graphs):>9}  "
               f"{ratio_cell(ts, times['replica-eager']):<36}{ratio_cell(times['torch-compiled'], ts):<36}")
     print(f"recompiles after the warm-up [rank 0, rank 1]: {[r['recompiles'] for r in results]}")
+    predicted_gains()
 
 
 if __name__ == "__main__":
