@@ -1,4 +1,4 @@
-"""Compiled stages on gloo ranks: across a pipeline's ranks (1F1B, input gradients sent early) and
+"""Compiled stages on gloo ranks: across a pipeline's ranks (1F1B, input gradients sent early; ZB-H1) and
 under FSDP2 (its root unit outside the compiled graph); stages with tensor-parallel blocks stay
 eager. Every gradient (gathered whole) is the plain model's, and a second step compiles nothing.
 One spawn of two ranks, backend aot_eager."""
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.distributed
 
 RUNS = (
     dict(num_stages=2),
+    dict(num_stages=2, schedule="zb-h1"),
     dict(num_stages=1, data_parallel_size=2, sharded_data_parallel="zero3"),
     dict(num_stages=1, tensor_parallel_size=2),
 )
@@ -36,7 +37,7 @@ def compile_job(rank: int, world: int) -> bytes:
         loss_fn(ref(*inputs), target).backward()
         with compile_backend("aot_eager"):
             pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S,
-                                       num_microbatches=2, schedule="1f1b", compile=True, **layout)
+                                       num_microbatches=2, compile=True, **{"schedule": "1f1b", **layout})
         before = recompiles()
         pm.train_step(inputs, target)
         assert_same_grads(pm, ref, subset=True, context=f"{layout}: ", rtol=1e-4, atol=1e-6)
