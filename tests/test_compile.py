@@ -138,3 +138,24 @@ def test_compiled_plans_leave_rebuilds_to_the_compiler() -> None:
     assert not plan.rebuilds and not plan.pointwise_recompute
     with pytest.raises(ConfigError, match="recompute='pointwise' rebuilds"):
         replica.plan(model, x, num_stages=2, compile=True, recompute="pointwise")
+
+
+def test_float8_is_priced_for_an_h100_and_refused_elsewhere() -> None:
+    model, x, _, _ = tiny_gpt(batch_size=8)
+    with pytest.raises(ConfigError, match="needs an SM90 GPU"):
+        replica.plan(model, x, num_stages=2, float8=True)  # a CPU
+    with pytest.raises(ConfigError, match="needs an SM90 GPU"):
+        replica.plan(model, x, num_stages=2, float8=True, device="a100-80gb", cost="analytic")
+    with pytest.raises(ConfigError, match="Use compile=True or None with float8=True"):
+        replica.plan(model, x, num_stages=2, float8=True, compile=False)
+    with pytest.raises(ConfigError, match="float8 must be True"):
+        replica.plan(model, x, num_stages=2, float8="yes")
+    meta = copy.deepcopy(model).to("meta")
+    inputs = tuple(t.to("meta") for t in x)
+    compiled = replica.plan(meta, inputs, num_stages=2, device="h100-80gb", mixed_precision="bf16", compile=True)
+    float8 = replica.plan(meta, inputs, num_stages=2, device="h100-80gb", mixed_precision="bf16", float8=True)
+    assert float8.compile and float8.float8 and "the linears in float8" in float8.summary()
+    assert float8.predicted_step_time_s < compiled.predicted_step_time_s
+    with pytest.raises(ConfigError, match="this stage's weights are on the CPU"):
+        from replica.parallel.float8 import float8_stage
+        float8_stage(model)

@@ -5,8 +5,9 @@ each stage this process runs, after the pipeline split:
 
 1. **tensor parallelism** (:mod:`replica.parallel.tensor_parallel`): the plan's blocks cut over
    the mesh's ``tp`` slice, parameters becoming DTensor shards;
-2. **stage rewrites** (:mod:`replica.stage`): linears that defer their weight gradients (for a
-   schedule's W actions, or to send input gradients first), norms whose outputs can be rebuilt;
+2. **stage rewrites** (:mod:`replica.stage`): float8 linears where the plan asks
+   (:mod:`replica.parallel.float8`), linears that defer their weight gradients (for a schedule's W
+   actions, or to send input gradients first), norms whose outputs can be rebuilt;
 3. **activation checkpointing** (:mod:`replica.stage.checkpoint`): each stage's blocks, as its
    plan says (every block, the first k, or selective); a stage without blocks whose plan
    checkpoints it runs whole under ``torch.utils.checkpoint`` in the runtime (``whole_stage``);
@@ -31,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from replica.parallel.compile import compile_stage, runs_eagerly
+from replica.parallel.float8 import float8_stage
 from replica.parallel.fsdp import shard_stage
 from replica.parallel.mesh import ParallelMesh
 from replica.parallel.tensor_parallel import shard_stage_tensors
@@ -133,7 +135,10 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
         for stage in mine:
             shard_stage_tensors(stage.module, plan.tensor_parallel, mesh.tensor_parallel_mesh, canonical, made,
                                 fsdp_next=flags.sharded, sequence=plan.sequence_shards)
-    # 2. stage rewrites: every stage of the split (one process runs all of them)
+    # 2. stage rewrites: float8 linears (before any rewrite or region refers to the modules), then
+    # every stage of the split (one process runs all of them)
+    for stage in mine if plan.float8 else ():
+        float8_stage(stage.module)
     for stage in stages:
         if stage.stage_index in flags.deferring:
             # a checkpointed block's linears compute their weight gradients in B: deferred to W,

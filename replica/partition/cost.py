@@ -18,7 +18,8 @@ from replica.partition.graph import Node
 from replica.partition.profile import OpTimes, cache_dir
 
 __all__ = ["DeviceSpec", "CostModel", "TensorParallelCosts", "device_spec", "torch_device_of", "preset_for_cuda_device",
-           "ring_collective_time", "PRESETS", "fused_ops", "POINTWISE"]
+           "ring_collective_time", "PRESETS", "fused_ops", "POINTWISE",
+           "float8_linears"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,6 +332,11 @@ def fused_ops(graph: Iterable[Node]) -> frozenset[str]:
                      and any(kinds.get(i) in _FUSES_INTO for i in n.inputs))
 
 
+def float8_linears(graph: Iterable[Node]) -> frozenset[str]:
+    """The ops ``float8=True`` runs in float8: linears with a weight (torchao swaps ``nn.Linear``)."""
+    return frozenset(n.name for n in graph if n.kind == "op" and n.target == "linear" and n.parameters)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Prices for ops and transfers.
@@ -345,7 +351,8 @@ class CostModel:
     when the graph was traced at the global batch). ``tensor_parallel`` (None: no tensor
     parallelism) divides the work of the ops computing on shards and adds the collectives of
     the tensor-parallel group to the ops they follow (:class:`TensorParallelCosts`). ``fused``
-    (a compiled plan's :func:`fused_ops`) are free but for their collectives.
+    (a compiled plan's :func:`fused_ops`) are free but for their collectives; ``float8``
+    (:func:`float8_linears`) compute at ``float8_speedup`` times the half-precision rate.
     """
 
     device: DeviceSpec
@@ -356,6 +363,8 @@ class CostModel:
     measured_fraction: float = 1.0
     tensor_parallel: TensorParallelCosts | None = None
     fused: frozenset[str] = frozenset()  # ops a compiled stage runs inside another's kernel: free (fused_ops)
+    float8: frozenset[str] = frozenset()  # linears computing in float8 (float8_linears), at float8_speedup x
+    float8_speedup: float = 1.0
     # (id(node), num_calls, backward) -> (node, seconds): an op priced once per call count (the
     # planner's search prices the same ops for every cut; the node is held so its id stays its own)
     _times: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -402,6 +411,8 @@ class CostModel:
         nbytes = node.bytes_accessed * self.batch_fraction * share
         bandwidth = d.bandwidth(nbytes / max(1, num_calls))
         rate = d.peak(node.compute_dtype or self.dtype)  # an op's own dtype where autocast chose one
+        if node.name in self.float8:
+            rate = d.half_flops * self.float8_speedup
         return node.flops * share / rate * self.batch_fraction + nbytes / bandwidth + num_calls * d.op_overhead_s
 
     def call_overhead(self, node: Node, backward: bool = False) -> float:

@@ -170,6 +170,8 @@ class Plan:
     # pointwise ops (replica.partition.cost.fused_ops); ``compile_note``: why, in a few words
     compile: bool = False
     compile_note: str = ""
+    # the linears train in float8 (torchao, replica.parallel.float8), priced at the float8 rate
+    float8: bool = False
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -283,10 +285,11 @@ class Plan:
             if self.tensor_parallel_size > 1 else []
         tp = f" stages {eager} run eagerly: their tensor-parallel blocks hold strided DTensor shards dynamo does " \
              "not trace, and are priced so;" if eager else ""
+        float8 = " the linears in float8 (torchao);" if self.float8 else ""
         fsdp = " FSDP2's per-block units run their hooks eagerly between compiled graphs;" \
             if self.layout.sharded and self.data_parallel_size > 1 else ""
         return (f"compile: every stage through torch.compile ({self.compile_note}), the batch dim dynamic;{split}{tp}"
-                f"{fsdp} checkpointed blocks compiled inside their checkpoint")
+                f"{fsdp}{float8} checkpointed blocks compiled inside their checkpoint")
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -51,7 +51,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     pricing = Pricing(traced, model, device=r.device, cost=r.cost, memory_budget=r.memory_budget,
                       memory_model=MemoryModel(optimizer=r.optimizer), precision=r.precision,
                       num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
-                      graded=r.graded_microbatches, options=r.options, batch_scale=scale, compile=r.compile)
+                      graded=r.graded_microbatches, options=r.options, batch_scale=scale, compile=r.compile,
+                      float8=r.float8)
     # the mode every stage checkpoints by (None: the tuner's choice; "pointwise" checkpoints none)
     full = False if r.recompute == "pointwise" else r.recompute
     if needs_blocks(full) and not find_blocks([n.module_path for n in traced.graph]):
@@ -117,7 +118,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     # the traced graph's own fingerprint (a tensor-parallel plan is priced on a copy with cut shapes)
     return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims, actions=actions, action_starts=action_starts,
                                graph_fingerprint=fingerprint(traced.graph), compile=pricing.compiled,
-                               compile_note=pricing.compile_note)
+                               compile_note=pricing.compile_note, float8=r.float8)
 
 
 def _worth_cutting(pricing: Pricing, sizes: Sequence[int], asked: bool) -> tuple[int, ...]:

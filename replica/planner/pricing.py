@@ -17,6 +17,7 @@ from replica.partition.cost import (
     DeviceSpec,
     TensorParallelCosts,
     device_spec,
+    float8_linears,
     fused_ops,
     preset_for_cuda_device,
     torch_device_of,
@@ -28,7 +29,7 @@ from replica.partition.profile import profile
 from replica.partition.sequence_parallel import sequence_region
 from replica.partition.tensor_parallel import ShardedBlock, find_blocks
 from replica.partition.trace import Traced
-from replica.planner.compiling import compile_choice
+from replica.planner.compiling import FLOAT8_SPEEDUP, check_float8, compile_choice
 from replica.planner.costs import stage_costs_from_plan
 from replica.planner.dataparallel import StageWeights, with_collectives
 from replica.planner.options import PlannerOptions
@@ -84,13 +85,14 @@ class Pricing:
     its blocks' collectives (:mod:`replica.planner.tensor_parallel`): :meth:`graph_for`,
     :meth:`cost_model`; the blocks are found once, when a layout first asks for them. ``compile``
     (True, False, or None: :func:`~replica.planner.compiling.compile_choice`'s rule) prices
-    compiled stages: their fused pointwise ops free (:func:`~replica.partition.cost.fused_ops`)."""
+    compiled stages: their fused pointwise ops free (:func:`~replica.partition.cost.fused_ops`);
+    ``float8`` prices the linears at an SM90 GPU's float8 rate (refused on any other device)."""
 
     def __init__(self, traced: Traced, model: torch.nn.Module, *, device: Any, cost: str,
                  memory_budget: float | Sequence[float] | None, memory_model: MemoryModel,
                  num_microbatches: int | None, num_stages_hint: int, graded: bool = True,
                  options: PlannerOptions = PlannerOptions(), batch_scale: int = 1, precision: str = "fp32",
-                 compile: bool | None = False) -> None:
+                 compile: bool | None = False, float8: bool = False) -> None:
         if cost not in ("auto", "analytic", "profile"):
             raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {cost!r}")
         inputs = traced.example
@@ -124,7 +126,9 @@ class Pricing:
         self.precision = precision
         # compiled stages: priced with their fused pointwise ops (cost.fused_ops)
         weights_on = next((p.device.type for p in model.parameters()), "cpu")
-        self.compiled, self.compile_note = compile_choice(compile, self.spec, weights_on)
+        check_float8(float8, self.spec)
+        self.compiled, self.compile_note = compile_choice(compile, self.spec, weights_on, float8)
+        self.float8 = float8
         self.graph = autocast_graph(traced, model, target_device_type(self.spec), precision, real=real)
         self.measured: dict[Any, Any] = {}
         self.measured_fraction = 1.0
@@ -244,7 +248,9 @@ class Pricing:
                                                                                      sequence_parallel),
                                           # stages with tensor-parallel blocks run eagerly (parallel/compile.py)
                                           fused=fused_ops(self.graph_for(tensor_parallel_size, sequence_parallel))
-                                          if self.compiled and tensor_parallel_size == 1 else frozenset())
+                                          if self.compiled and tensor_parallel_size == 1 else frozenset(),
+                                          float8=float8_linears(self.graph_for(tensor_parallel_size, sequence_parallel))
+                                          if self.float8 else frozenset(), float8_speedup=FLOAT8_SPEEDUP)
         return self._models[key]
 
     def work(self, layout: Layout, num_microbatches: int, recompute: bool | str | int) -> float:

@@ -61,7 +61,9 @@ class PlanningOptions:
     micro-batches; False: none of these; None: the tuner decides), ``compile`` (True: every stage runs
     through ``torch.compile``, inductor, after activation checkpointing and before FSDP2, priced with
     its fused pointwise ops; False: eager; None: the planner's rule, on for a GPU device and off on a
-    CPU, said in the plan summary), ``mixed_precision`` (None: fp32, or
+    CPU, said in the plan summary), ``float8`` (True: the linears train in float8 through torchao,
+    on top of ``compile``, priced at an SM90 GPU's float8 rate; refused where the plan is not for an
+    H100; default False), ``mixed_precision`` (None: fp32, or
     rather the weights' own dtype; ``"bf16"`` / ``"fp16"``: autocast, priced at the device's
     half-precision rate), ``device`` (what the plan is priced for and, for the Trainer, where the
     model runs: None, where the model's weights are; a torch device, ``"cpu"`` / ``"cuda:1"``,
@@ -91,6 +93,7 @@ class PlanningOptions:
     sequence_parallel: bool | None = None
     recompute: bool | str | int | None = None
     compile: bool | None = None
+    float8: bool = False
     mixed_precision: Any = None
     device: Any = None
     cost: str = "auto"
@@ -150,6 +153,14 @@ class PlanningOptions:
             raise ConfigError(
                 f"compile must be True (every stage through torch.compile), False (eager) or None (the planner "
                 f"decides: on for a GPU, off on a CPU), got {self.compile!r}")
+        if not isinstance(self.float8, bool):
+            raise ConfigError(f"float8 must be True (the linears in float8, torchao, on an H100) or False, got "
+                              f"{self.float8!r}")
+        if self.float8 and self.compile is False:
+            raise ConfigError(
+                "float8=True casts every linear's inputs and weights to float8 around its matmul; without compile "
+                "those casts are separate kernels that cost more than the float8 matmul saves (torchao's float8 "
+                "training is meant to run under torch.compile). Use compile=True or None with float8=True")
         if self.cost not in ("auto", "analytic", "profile"):
             raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {self.cost!r}")
         if self.tracer not in ("auto", "fx", "export"):
