@@ -107,6 +107,22 @@ def predicted_gains() -> None:
               f"{steps[False] / steps[True]:.3f}x")
 
 
+def titan_gains() -> None:
+    """torchtitan's Llama-3 8B row on 8 H100s (FSDP, benchmarks/published_layouts.py) priced eager,
+    compiled and compiled with float8 linears, beside its published Table 1 (5,762 -> 6,667 ->
+    8,532 tokens/s per GPU: x1.157 from compile, x1.28 more from float8)."""
+    from benchmarks.published_layouts import TITAN, llama3, price_titan, tokens_per_gpu
+
+    run = TITAN[0]
+    model = llama3(run.flavour)
+    tps = {name: tokens_per_gpu(run, price_titan(run, model, **options)) for name, options in
+           (("eager", dict(compile=False)), ("compiled", dict(compile=True)), ("float8", dict(float8=True)))}
+    print(f"predicted {run.label} {run.flavour} on {run.gpus} h100-80gb, tokens/s per GPU: eager {tps['eager']:,.0f}, "
+          f"compiled {tps['compiled']:,.0f} (x{tps['compiled'] / tps['eager']:.3f}; published x{6667 / 5762:.3f}), "
+          f"float8 {tps['float8']:,.0f} (x{tps['float8'] / tps['compiled']:.3f} over compiled; published "
+          f"x{8532 / 6667:.3f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -130,6 +146,7 @@ def main() -> None:
               f"{ratio_cell(ts, times['replica-eager']):<36}{ratio_cell(times['torch-compiled'], ts):<36}")
     print(f"recompiles after the warm-up [rank 0, rank 1]: {[r['recompiles'] for r in results]}")
     predicted_gains()
+    titan_gains()
 
 
 if __name__ == "__main__":

@@ -327,14 +327,19 @@ def fused_ops(graph: Iterable[Node]) -> frozenset[str]:
     op; matmuls, norms and the chain's first op keep their eager prices. Inductor fuses more
     (a norm's backward, reductions into their consumers); this is the part that holds on every
     device it targets."""
-    kinds = {n.name: n.target for n in graph}
-    return frozenset(n.name for n in graph if n.kind == "op" and n.target in POINTWISE
+    kinds = {n.name: _op_name(n.target) for n in graph}
+    return frozenset(n.name for n in graph if n.kind == "op" and kinds[n.name] in POINTWISE
                      and any(kinds.get(i) in _FUSES_INTO for i in n.inputs))
+
+
+def _op_name(target: str) -> str:
+    """An op's name whatever the tracer: ``mul`` for fx's ``mul`` and torch.export's ``mul.Tensor``."""
+    return target.split(".", 1)[0]
 
 
 def float8_linears(graph: Iterable[Node]) -> frozenset[str]:
     """The ops ``float8=True`` runs in float8: linears with a weight (torchao swaps ``nn.Linear``)."""
-    return frozenset(n.name for n in graph if n.kind == "op" and n.target == "linear" and n.parameters)
+    return frozenset(n.name for n in graph if n.kind == "op" and _op_name(n.target) == "linear" and n.parameters)
 
 
 @dataclass(frozen=True)
