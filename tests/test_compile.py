@@ -36,9 +36,16 @@ def test_compile_must_be_true_false_or_none(compile_) -> None:
         replica.defaults.TrainerConfig(compile=compile_)
 
 
-@pytest.mark.parametrize("schedule,recompute", [("1f1b", False), ("zb-h1", False), ("1f1b", True)])
-def test_compiled_stages_give_the_plain_models_gradients(schedule, recompute) -> None:
-    model, x, y, loss_fn = tiny_gpt(batch_size=8)
+def test_the_trainer_config_plans_with_compile() -> None:
+    assert replica.defaults.TrainerConfig(compile=True).planning()["compile"] is True
+
+
+@pytest.mark.parametrize("factory,schedule,recompute", [
+    (tiny_gpt, "1f1b", False), (tiny_gpt, "zb-h1", False), (tiny_gpt, "1f1b", True), (tiny_gpt, "1f1b", "selective"),
+    (mlp, "1f1b", True),  # no blocks: each stage checkpointed whole, its compiled forward inside the checkpoint
+])
+def test_compiled_stages_give_the_plain_models_gradients(factory, schedule, recompute) -> None:
+    model, x, y, loss_fn = factory(batch_size=8)
     ref = _reference(model, x, y, loss_fn)
     with compile_backend("aot_eager"):
         pm = replica.auto_parallel(model, x, num_stages=2, num_microbatches=4, schedule=schedule,
