@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also price each layout analytically on this preset (default: the GPU's own)")
     parser.add_argument("--recompute", default=None,
                         help=f"comma-separated recompute modes (default: all of {', '.join(map(str, RECOMPUTE))})")
-    parser.add_argument("--precisions", default=None, help=f"comma-separated, of {', '.join(PRECISIONS)} (default: both)")
+    parser.add_argument("--precisions", default=None,
+                        help=f"comma-separated, of {', '.join(PRECISIONS)} (default: both)")
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--markdown", default=None, help="write the RESULTS table here")
     args = parser.parse_args(argv)
