@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import random
 import socket
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,7 +22,25 @@ __all__ = ["run_local", "free_port"]
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free on 127.0.0.1 now, for a launcher to listen on (torchrun's ``--master-port``).
+
+    Picked below the kernel's ephemeral range (``ip_local_port_range``), where the kernel never
+    hands ports out itself: the many connections other jobs open (gloo's, a test's) cannot take it
+    between now and the launcher's bind, as they could take a port the kernel picked."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default range starts here
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # that range is full: any the kernel picks
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
