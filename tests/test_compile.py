@@ -166,3 +166,17 @@ def test_float8_is_priced_for_an_h100_and_refused_elsewhere() -> None:
     with pytest.raises(ConfigError, match="this stage's weights are on the CPU"):
         from replica.parallel.float8 import float8_stage
         float8_stage(model)
+
+
+def test_compiled_stages_run_under_the_plans_autocast() -> None:
+    """bf16: the compiled graphs compute in autocast's dtypes, as the eager stages do (through
+    aot_eager the same kernels: the same gradients, bit for bit)."""
+    model, x, y, loss_fn = tiny_gpt(batch_size=8)
+    eager = replica.auto_parallel(copy.deepcopy(model), x, num_stages=2, num_microbatches=4, loss_fn=loss_fn,
+                                  mixed_precision="bf16", compile=False)
+    with compile_backend("aot_eager"):
+        pm = replica.auto_parallel(model, x, num_stages=2, num_microbatches=4, loss_fn=loss_fn,
+                                   mixed_precision="bf16", compile=True)
+    eager.train_step(x, y)
+    pm.train_step(x, y)
+    assert_same_grads(pm, eager, rtol=0, atol=0)
