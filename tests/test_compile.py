@@ -116,6 +116,10 @@ def test_compiled_plans_price_pointwise_chains_as_one_pass() -> None:
     compiled = replica.plan(model, x, num_stages=2, device="h100-80gb", cost="analytic", compile=True)
     assert compiled.predicted_step_time_s < eager.predicted_step_time_s
     assert replica.Plan.from_json(compiled.to_json()).compile
+    # across ranks a compiled backward runs whole: no input gradients sent before the weight gradients
+    world = dict(world_size=2, num_stages=2, schedule="1f1b", num_microbatches=4, cost="analytic")
+    assert replica.plan(model, x, compile=False, **world).sends_input_grads_early
+    assert not replica.plan(model, x, compile=True, **world).sends_input_grads_early
 
 
 def test_a_given_plan_must_agree_on_compile() -> None:

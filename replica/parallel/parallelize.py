@@ -58,9 +58,7 @@ class StageFlags:
     another process sends it before computing its weight gradients (never where FSDP reduces
     gradients inside the backward). ``deferring``: the stages whose linears leave their weight
     gradients for later (every stage under a schedule with W actions; with early input
-    gradients, the stages that send one to another process, unless the plan compiles: a
-    deferrable linear runs eagerly, breaking the compiled graph, so a compiled stage's backward
-    runs whole). ``whole_stage``: the stages
+    gradients, the stages that send one to another process). ``whole_stage``: the stages
     checkpointed whole, "full" or "selective" (those without blocks whose plan checkpoints them)."""
 
     sharded: bool
@@ -83,7 +81,7 @@ def stage_flags(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, d
     early = distributed and plan.sends_input_grads_early
     if splits_backward(schedule):
         deferring = frozenset(s.stage_index for s in stages)
-    elif early and not plan.compile:
+    elif early:
         # a stage that sends no input gradient (the first) keeps autograd's own linears: the
         # rewrite would only cost it (about 3% of its step, benchmarks/RESULTS.md)
         deferring = frozenset(sending_input_grads(stages, placement(schedule)))

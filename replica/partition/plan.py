@@ -202,9 +202,12 @@ class Plan:
     def sends_input_grads_early(self) -> bool:
         """Whether a backward that sends an input gradient to another rank sends it before
         computing its weight gradients: the plan's choice (``early_input_grads``), never where
-        sharded replicas reduce gradients inside the backward (FSDP2) or the schedule has W
-        actions of its own. The one place this is decided; planner and runtimes read it."""
-        return self.early_input_grads and not self.layout.sharded and not self.layout.kind.splits_backward
+        sharded replicas reduce gradients inside the backward (FSDP2), the schedule has W
+        actions of its own, or the stages are compiled (the linears that defer their weight
+        gradients would run eagerly, breaking the graph: a compiled backward runs whole). The
+        one place this is decided; planner and runtimes read it."""
+        return self.early_input_grads and not self.layout.sharded and not self.layout.kind.splits_backward \
+            and not self.compile
 
     # --- derived figures -------------------------------------------------------------
     @property

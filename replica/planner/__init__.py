@@ -117,8 +117,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     action_starts = tuple(tuple(starts[a] for a in rank) for rank in schedule)
     # the traced graph's own fingerprint (a tensor-parallel plan is priced on a copy with cut shapes)
     return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims, actions=actions, action_starts=action_starts,
-                               graph_fingerprint=fingerprint(traced.graph), compile=pricing.compiled,
-                               compile_note=pricing.compile_note, float8=r.float8)
+                               graph_fingerprint=fingerprint(traced.graph))
 
 
 def _worth_cutting(pricing: Pricing, sizes: Sequence[int], asked: bool) -> tuple[int, ...]:

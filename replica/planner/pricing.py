@@ -364,7 +364,8 @@ class Pricing:
                            bounds=None if like is None else self._bounds_of(like, layout))
         result = dataclasses.replace(result, layout=layout, tensor_parallel=blocks,
                                      sequence_shards=self.sequence_shards(layout),
-                                     early_input_grads=recompute is False and self._early_fits(result, where))
+                                     early_input_grads=recompute is False and self._early_fits(result, where),
+                                     compile=self.compiled, compile_note=self.compile_note, float8=self.float8)
         if not simulated:
             return dataclasses.replace(result, precision=self.precision,
                                        model_flops=3 * self.graph.total_flops * batch_fraction * replicas,
