@@ -60,10 +60,10 @@ class PlanningOptions:
     stage; ``"pointwise"``: rebuild GELU / SiLU outputs in backward on stages that hold several
     micro-batches; False: none of these; None: the tuner decides), ``compile`` (True: every stage runs
     through ``torch.compile``, inductor, after activation checkpointing and before FSDP2, priced with
-    its fused pointwise ops; False: eager; None: the planner's rule, on for a GPU device and off on a
-    CPU, said in the plan summary), ``float8`` (True: the linears train in float8 through torchao,
-    on top of ``compile``, priced at an SM90 GPU's float8 rate; refused where the plan is not for an
-    H100; default False), ``mixed_precision`` (None: fp32, or
+    its fused pointwise ops; False: eager; None: the planner's rule, on where the plan is for a GPU and
+    the weights are not on a CPU, off on a CPU, said in the plan summary), ``float8`` (True: the
+    linears train in float8 through torchao, on top of ``compile``, priced at an SM90 GPU's float8
+    rate; refused where the plan is not for an H100; default False), ``mixed_precision`` (None: fp32, or
     rather the weights' own dtype; ``"bf16"`` / ``"fp16"``: autocast, priced at the device's
     half-precision rate), ``device`` (what the plan is priced for and, for the Trainer, where the
     model runs: None, where the model's weights are; a torch device, ``"cpu"`` / ``"cuda:1"``,
