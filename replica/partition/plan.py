@@ -10,6 +10,7 @@ from typing import Any
 
 from replica.errors import ConfigError
 from replica.layout import Layout
+from replica.partition.experts import ExpertBlock
 from replica.partition.tensor_parallel import ShardedBlock
 from replica.units import format_bytes, format_flop_rate, format_seconds
 
@@ -166,6 +167,9 @@ class Plan:
     # with layout.sequence_parallel: (node, dim) of each value between those blocks held as a
     # sequence shard (replica.partition.sequence_parallel); () without, or where none has such a dim
     sequence_shards: tuple[tuple[str, int], ...] = ()
+    # each MoE layer's experts (replica.partition.experts), spread over
+    # layout.expert_parallel_size replicas where that is > 1; () in a model without them
+    experts: tuple[ExpertBlock, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -356,6 +360,7 @@ class Plan:
             data["action_starts"] = tuple(tuple(float(t) for t in starts) for starts in data.get("action_starts", ()))
             data["tensor_parallel"] = tuple(ShardedBlock.from_dict(b) for b in data.get("tensor_parallel", ()))
             data["sequence_shards"] = tuple((str(n), int(d)) for n, d in data.get("sequence_shards", ()))
+            data["experts"] = tuple(ExpertBlock.from_dict(b) for b in data.get("experts", ()))
             if version == 1:  # the layout's figures stood at the top
                 ranks = data.pop("pipeline_ranks", 0) or data["num_stages"]
                 data["layout"] = {"schedule": data.pop("schedule"), "num_stages": data.pop("num_stages"),

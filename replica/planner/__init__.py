@@ -22,6 +22,7 @@ from replica.partition.plan import Plan
 from replica.partition.recompute import needs_blocks
 from replica.partition.trace import Traced
 from replica.planner.costs import stage_costs_from_plan
+from replica.planner.experts import plan_experts
 from replica.planner.options import PlannerOptions
 from replica.planner.pricing import Pricing, default_microbatches
 from replica.planner.refine import finish
@@ -98,6 +99,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
         plan = _shard_fixed(pricing, layout, m, full or False, r, r.options.tie)
     _check_blocks(plan)
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
+    plan = plan_experts(traced.graph, plan, r.expert_parallel_size)  # each MoE layer's experts over ep replicas
     if r.recompute == "pointwise" and not plan.recompute:
         plan = dataclasses.replace(plan, pointwise_recompute=True)
     # the action lists, once, from the final plan: every rank, the simulator and the report read

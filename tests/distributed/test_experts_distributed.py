@@ -1,0 +1,108 @@
+"""Expert parallelism on gloo ranks: each rank of an expert group holds num_experts / ep of every
+MoE layer's experts, tokens go to their experts' ranks and back by all-to-all, and every gradient
+(experts gathered with ``full_tensor()``) is the plain model's on the whole batch, on routing the
+trace never saw (another batch, an expert without a token, one expert taking every token): ep=2
+(2 ranks: 1 stage x 2 replicas) and ep=2 x pp=2 (4 ranks: 2 stages x 2 replicas); the plain
+stacked-weight MoE and HF Mixtral. One spawned job per world size runs every case."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+
+import replica
+from replica.launch import run_local
+from replica.parallel.fsdp import local_tensor
+from tests import moe_zoo
+from tests.conftest import COMPUTE_BOUND
+from tests.grads import whole
+from tests.test_moe_routing import TOL, _batch, _loss
+
+pytestmark = pytest.mark.distributed
+
+RUN_TIMEOUT_S = 240
+STEP_TIMEOUT_S = 60
+MODELS = ["plain"] + (["mixtral"] if moe_zoo.missing("mixtral") is None else [])
+
+
+def _compare(pm: replica.PipelineModel, plain: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[str]:
+    """One step on ``x`` against the plain model's; the names this rank compared."""
+    ref = copy.deepcopy(plain)
+    want = _loss(ref(x), y)
+    want.backward()
+    loss = pm.train_step(x, y)
+    torch.testing.assert_close(loss, want.detach(), **TOL)
+    grads = dict(ref.named_parameters())
+    checked = []
+    for name, p in pm.named_parameters():  # the same order on every rank of a stage: full_tensor pairs up
+        torch.testing.assert_close(whole(p.grad), grads[name].grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+        checked.append(name)
+    pm.zero_grad()
+    return checked
+
+
+def job(rank: int, world: int, num_stages: int) -> bytes:
+    reports = []
+    for name in MODELS:
+        plain, vocab = moe_zoo.build(name)
+        traced_x, _ = _batch(vocab, 8, 1)
+        pm = replica.auto_parallel(copy.deepcopy(plain), (traced_x,), num_stages=num_stages, num_microbatches=2,
+                                   schedule="1f1b", expert_parallel_size=2, loss_fn=_loss, device=COMPUTE_BOUND,
+                                   timeout_s=STEP_TIMEOUT_S)
+        held = {n: (tuple(local_tensor(p).shape), local_tensor(p).untyped_storage().nbytes())
+                for n, p in pm.named_parameters() if any(n.startswith(b.path + ".") for b in pm.plan.experts)}
+        report: dict[str, Any] = {"name": name, "ep": pm.plan.layout.expert_parallel_size, "held": held,
+                                  "whole": {n: tuple(p.shape) for n, p in plain.named_parameters() if n in held},
+                                  "replicas": pm.data_parallel_size, "steps": []}
+        x, y = _batch(vocab, 10, 2)  # another size, another routing; replicas of 5 samples
+        report["steps"].append(("natural", moe_zoo.routing(plain, x), _compare(pm, plain, x, y)))
+        for mode in ("starve", "hog"):
+            moe_zoo.force(plain, name, mode)
+            pm.load_state_dict(plain.state_dict())
+            report["steps"].append((mode, moe_zoo.routing(plain, x), _compare(pm, plain, x, y)))
+        reports.append(report)
+    return pickle.dumps(reports)
+
+
+def _run(world: int, num_stages: int) -> list[list[dict]]:
+    return [pickle.loads(r) for r in run_local(job, world, num_stages, timeout_s=RUN_TIMEOUT_S)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[list[dict]]:
+    return _run(2, 1)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[list[dict]]:
+    return _run(4, 2)
+
+
+def _check(by_rank: list[list[dict]], world: int) -> None:
+    for reports in zip(*by_rank):
+        name = reports[0]["name"]
+        model, _ = moe_zoo.build(name)
+        everything = {n for n, _ in model.named_parameters()}
+        assert all(r["ep"] == 2 and r["replicas"] == 2 for r in reports)
+        for step in range(3):
+            mode, counts, _ = reports[0]["steps"][step]
+            assert set().union(*(r["steps"][step][2] for r in reports)) == everything, (name, mode)
+            if mode == "starve":
+                assert all(0 in layer for layer in counts), counts
+        for r in reports:  # each rank holds half of every layer's experts, and no more storage
+            assert r["held"], r
+            for n, (shape, nbytes) in r["held"].items():
+                assert shape[0] * 2 == r["whole"][n][0] and shape[1:] == r["whole"][n][1:], (n, shape)
+                assert nbytes == 4 * torch.Size(shape).numel(), (n, nbytes)
+
+
+def test_ep2_trains_exactly_with_half_the_experts_per_rank(two_ranks):
+    _check(two_ranks, 2)
+
+
+def test_ep2_by_two_pipeline_stages_trains_exactly(four_ranks):
+    _check(four_ranks, 4)
