@@ -170,6 +170,12 @@ class Plan:
     # each MoE layer's experts (replica.partition.experts), spread over
     # layout.expert_parallel_size replicas where that is > 1; () in a model without them
     experts: tuple[ExpertBlock, ...] = ()
+    # with layout.expert_parallel_size > 1 (replica.planner.experts): the busiest pipeline rank's
+    # all-to-all seconds and bytes sent a step (in predicted_step_time_s), and the example batch's
+    # routing imbalance (the busiest expert rank's token slots over the mean)
+    expert_parallel_s: float = 0.0
+    expert_parallel_bytes: int = 0
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -306,6 +312,21 @@ class Plan:
                 f"all-gathers, not overlapped) on the busiest stage ({busiest.stage_index}): "
                 f"{_bytes(busiest.tensor_parallel_bytes)} in {_seconds(busiest.tensor_parallel_s)} a step{sequence}")
 
+    @property
+    def expert_parallel_note(self) -> str:
+        """One line on the experts: how many MoE layers, over how many replicas, at what price ("" without)."""
+        if not self.experts:
+            return ""
+        e = self.layout.expert_parallel_size
+        counts = sorted({b.num_experts for b in self.experts})
+        plural = "s" if len(self.experts) > 1 else ""
+        layers = f"{len(self.experts)} MoE layer{plural} of {'/'.join(map(str, counts))} experts"
+        if e == 1:
+            return f"experts: {layers}, every replica holds all of them"
+        return (f"expert parallel: {layers} spread over {e} replicas ({counts[0] // e} experts each); all-to-all "
+                f"{_bytes(self.expert_parallel_bytes)} sent in {_seconds(self.expert_parallel_s)} a step by the "
+                f"busiest rank; routing imbalance {self.expert_imbalance:.2f} on the example batch")
+
     def stage_of(self, node_name: str) -> int:
         for s in self.stages:
             if node_name in s.node_names:
@@ -421,6 +442,8 @@ class Plan:
             lines.append(self.tensor_parallel_note)
         if self.data_parallel_note:
             lines.append(self.data_parallel_note)
+        if self.expert_parallel_note:
+            lines.append(self.expert_parallel_note)
         if self.microbatch_shares:
             share = " / ".join(f"{x:.0%}" for x in self.microbatch_shares)
             lines.append(f"graded micro-batches (shares of the batch, in order): {share}")

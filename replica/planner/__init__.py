@@ -99,7 +99,9 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
         plan = _shard_fixed(pricing, layout, m, full or False, r, r.options.tie)
     _check_blocks(plan)
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
-    plan = plan_experts(traced.graph, plan, r.expert_parallel_size)  # each MoE layer's experts over ep replicas
+    # each MoE layer's experts over ep replicas: the one asked, or the fastest that fits; priced
+    plan = plan_experts(traced, plan, r.expert_parallel_size, pricing.first_spec(),
+                        budget=pricing.budget_per_device(), tie=r.options.tie, optimizer=r.optimizer)
     if r.recompute == "pointwise" and not plan.recompute:
         plan = dataclasses.replace(plan, pointwise_recompute=True)
     # the action lists, once, from the final plan: every rank, the simulator and the report read
