@@ -69,3 +69,50 @@ def test_the_layout_checks_expert_parallel_size() -> None:
     with pytest.raises(ConfigError, match="sharded data parallelism"):
         Layout(schedule="1f1b", num_stages=1, pipeline_ranks=1, data_parallel_size=2, sharding="zero3",
                expert_parallel_size=2)
+
+
+def test_imbalance_is_the_busiest_ranks_slots_over_the_mean() -> None:
+    from replica.planner.experts import imbalance
+
+    assert imbalance([4, 4, 4, 4], 2) == 1.0 and imbalance([8, 0, 0, 0], 2) == 2.0
+    assert imbalance([8, 0, 0, 0], 1) == 1.0 and imbalance([6, 2, 0, 0], 4) == 3.0
+
+
+def test_the_all_to_all_is_priced_from_the_slots_each_rank_sends() -> None:
+    """Per MoE layer, micro-batch and rank: S = tokens x top_k / replicas / micro-batches slots,
+    S (ep - 1) / ep rows of 16 fp32 features sent, 4 times (dispatch and combine, forward and
+    backward); the busiest stage holds both layers here (one stage)."""
+    from replica.partition.trace import trace
+    from replica.planner.experts import expert_costs, find_expert_blocks, routing_counts
+
+    model, ids = _plain()
+    plan = _plan(model, ids, 2, num_stages=1, expert_parallel_size=2)
+    traced = trace(model, (ids,))
+    blocks = find_expert_blocks(traced.graph)
+    counts = routing_counts(traced, blocks)
+    assert sorted(counts) == [b.path for b in blocks] and all(sum(c) == 12 * 8 * 2 for c in counts.values())
+    costs = expert_costs(traced.graph, plan, blocks, 2, COMPUTE_BOUND, counts)
+    slots = 12 * 8 * 2 / 2 / 2
+    assert costs.alltoall_bytes == pytest.approx(2 * 4 * slots / 2 * 16 * 4 * 2)
+    assert costs.alltoall_s > 0 and costs.saved_bytes > 0 and costs.imbalance >= 1.0
+    assert plan.expert_parallel_bytes == int(costs.alltoall_bytes)
+    assert "expert parallel: 2 MoE layers of 4 experts spread over 2 replicas (2 experts each)" in plan.summary()
+
+
+def test_left_to_the_planner_expert_parallelism_is_chosen_where_it_pays() -> None:
+    """On fast links the all-to-all only costs: whole experts. On a slow network the experts'
+    gradient all-reduce, which expert parallelism leaves out (ep = replicas), costs more than
+    the all-to-all: spread. Either way each rank holds less at ep=2."""
+    import dataclasses
+
+    model, ids = _plain()
+    whole = _plan(model, ids, 2, num_stages=1, expert_parallel_size=1)
+    spread = _plan(model, ids, 2, num_stages=1, expert_parallel_size=2)
+    peak = lambda p: max(s.predicted_memory_bytes for s in p.stages)  # noqa: E731
+    assert peak(spread) < peak(whole)
+    assert spread.predicted_step_time_s > whole.predicted_step_time_s
+    assert _plan(model, ids, 2, num_stages=1).layout.expert_parallel_size == 1
+    slow = dataclasses.replace(COMPUTE_BOUND, link_bandwidth=1e4, network_bandwidth=1e4)
+    chosen = replica.plan(model, (ids,), world_size=2, num_stages=1, schedule="1f1b", num_microbatches=2, device=slow,
+                          sharded_data_parallel=False)
+    assert chosen.layout.expert_parallel_size == 2, chosen.summary()
