@@ -116,3 +116,19 @@ def test_left_to_the_planner_expert_parallelism_is_chosen_where_it_pays() -> Non
     chosen = replica.plan(model, (ids,), world_size=2, num_stages=1, schedule="1f1b", num_microbatches=2, device=slow,
                           sharded_data_parallel=False)
     assert chosen.layout.expert_parallel_size == 2, chosen.summary()
+
+
+def test_experts_that_fit_only_spread_are_placed_when_the_size_is_given() -> None:
+    """The partition weighs each rank's share of the experts against the budget: a budget the
+    whole experts exceed plans at expert_parallel_size=2, and fails without it."""
+    from replica.errors import PartitionError
+
+    model, ids = _plain()
+    whole = _plan(model, ids, 2, num_stages=1, expert_parallel_size=1)
+    spread = _plan(model, ids, 2, num_stages=1, expert_parallel_size=2)
+    peak = lambda p: max(s.predicted_memory_bytes for s in p.stages)  # noqa: E731
+    budget = (peak(spread) + peak(whole)) / 2
+    assert _plan(model, ids, 2, num_stages=1, expert_parallel_size=2, memory_budget=budget).layout \
+        .expert_parallel_size == 2
+    with pytest.raises(PartitionError):
+        _plan(model, ids, 2, num_stages=1, expert_parallel_size=1, memory_budget=budget)

@@ -22,7 +22,7 @@ from replica.partition.plan import Plan
 from replica.partition.recompute import needs_blocks
 from replica.partition.trace import Traced
 from replica.planner.costs import stage_costs_from_plan
-from replica.planner.experts import plan_experts
+from replica.planner.experts import plan_experts, sharded_experts_graph
 from replica.planner.options import PlannerOptions
 from replica.planner.pricing import Pricing, default_microbatches
 from replica.planner.refine import finish
@@ -53,6 +53,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                       memory_model=MemoryModel(optimizer=r.optimizer), precision=r.precision,
                       num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
                       graded=r.graded_microbatches, options=r.options, batch_scale=scale)
+    if (r.expert_parallel_size or 1) > 1:  # each rank holds 1/ep of the experts: what the partition weighs
+        pricing.graph = sharded_experts_graph(pricing.graph, r.expert_parallel_size)
     # the mode every stage checkpoints by (None: the tuner's choice; "pointwise" checkpoints none)
     full = False if r.recompute == "pointwise" else r.recompute
     if needs_blocks(full) and not find_blocks([n.module_path for n in traced.graph]):

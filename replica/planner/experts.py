@@ -9,7 +9,9 @@ cannot work is a ``ConfigError`` here, before any rank starts: no expert block, 
 or a replica count it does not divide, a stage cut inside a block.
 
 Weighed on the layout the tuner chose (its pipeline, tensor-parallel and data-parallel sizes), not
-inside its search: the tuner's layouts are compared without expert parallelism.
+inside its search: the tuner's layouts are compared without expert parallelism. A size the user
+fixes is partitioned on :func:`sharded_experts_graph` (each rank's share of the experts against
+the memory budget), so experts that only fit spread are placed; None prices whole experts first.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from replica.partition.plan import Plan
 from replica.partition.trace import Traced
 
 __all__ = ["plan_experts", "expert_choices", "check_experts", "ExpertCosts", "expert_costs", "routing_counts",
-           "imbalance"]
+           "imbalance", "sharded_experts_graph"]
 
 
 def expert_choices(blocks: Sequence[ExpertBlock], data_parallel_size: int) -> tuple[int, ...]:
@@ -186,10 +188,26 @@ def expert_costs(graph: Graph, plan: Plan, blocks: Sequence[ExpertBlock], expert
                        saved_bytes=min(r[4] for r in per_stage.values()))
 
 
+def sharded_experts_graph(graph: Graph, expert_parallel_size: int) -> Graph:
+    """``graph`` as a rank holds it at ``expert_parallel_size``: every expert block's stacked
+    weights ``[num_experts / ep, ...]`` (what the partitioner weighs against the memory budget
+    when the size is fixed). ``graph`` itself at 1, or where a block's experts do not divide."""
+    e = expert_parallel_size
+    blocks = find_expert_blocks(graph) if e > 1 else ()
+    if not blocks or any(not b.fits(e) for b in blocks):
+        return graph
+    cut = {p for b in blocks for p in b.parameters}
+    parameters = {name: dataclasses.replace(info, shape=(info.shape[0] // e, *info.shape[1:])) if name in cut else info
+                  for name, info in graph.parameters.items()}
+    nodes = [dataclasses.replace(n, users=[]) for n in graph.nodes]
+    return Graph(nodes, parameters, model_name=graph.model_name)
+
+
 def _priced(plan: Plan, costs: ExpertCosts, blocks: Sequence[ExpertBlock], graph: Graph,
-            state_per_byte: float) -> Plan:
-    """``plan`` at ``costs``' size, its step and each stage's expert state priced."""
-    e = costs.expert_parallel_size
+            state_per_byte: float, held_already: bool = False) -> Plan:
+    """``plan`` at ``costs``' size, its step and each stage's expert state priced (``held_already``:
+    the partition was priced on :func:`sharded_experts_graph`, its memory holds the shards)."""
+    e = 1 if held_already else costs.expert_parallel_size
     stages = []
     for st in plan.stages:
         held = sum(graph.parameters[p].nbytes for b in blocks for p in b.parameters
@@ -198,7 +216,7 @@ def _priced(plan: Plan, costs: ExpertCosts, blocks: Sequence[ExpertBlock], graph
                                      gradients=int(st.memory.gradients - held),
                                      optimizer=int(st.memory.optimizer - held * (state_per_byte - 2)))
         stages.append(dataclasses.replace(st, memory=memory))
-    layout = dataclasses.replace(plan.layout, expert_parallel_size=e)
+    layout = dataclasses.replace(plan.layout, expert_parallel_size=costs.expert_parallel_size)
     return dataclasses.replace(plan, layout=layout, experts=tuple(blocks), stages=tuple(stages),
                                predicted_step_time_s=plan.predicted_step_time_s + costs.step_delta_s(plan),
                                expert_parallel_s=costs.alltoall_s, expert_parallel_bytes=int(costs.alltoall_bytes),
@@ -223,8 +241,9 @@ def plan_experts(traced: Traced, plan: Plan, expert_parallel_size: int | None, s
         if any(len({stage_of.get(n) for n in b.nodes}) > 1 for b in blocks):
             sizes = (1,)  # a block cut between stages cannot run its all-to-all
     counts = routing_counts(traced, blocks) if blocks and max(sizes) > 1 else {}
-    plans = [_priced(plan, expert_costs(graph, plan, blocks, e, spec, counts, state), blocks, graph, state)
-             for e in sizes]
+    # a fixed size was partitioned on the sharded experts already (sharded_experts_graph)
+    plans = [_priced(plan, expert_costs(graph, plan, blocks, e, spec, counts, state), blocks, graph, state,
+                     held_already=expert_parallel_size is not None) for e in sizes]
     fits = [p for p in plans if max(s.predicted_memory_bytes for s in p.stages) <= budget] or plans
     fastest = min(p.predicted_step_time_s for p in fits)
     near = [p for p in fits if p.predicted_step_time_s <= fastest * (1 + tie)]
