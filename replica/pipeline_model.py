@@ -92,7 +92,7 @@ class PipelineModel:
             # made before any stage is cut: it runs the plain graph on fake copies
             oracle = ShapeOracle(traced.module, plan.stages, device, traced.out_spec,
                                  param_dtype=autocast_dtype(self.precision) if sharded else None)
-        # the one ordered step: TP -> stage rewrites -> (activation checkpointing, compile) -> FSDP2
+        # the one ordered step: experts -> TP -> stage rewrites -> (activation checkpointing, compile) -> FSDP2
         flags = parallelize(self.all_stages, plan, self.schedule, mesh, canonical=self._canonical, model=model)
         self.mesh = mesh
         self.runtime: LocalRuntime | DistributedRuntime

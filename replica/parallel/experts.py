@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from replica.errors import ConfigError
 from replica.parallel.mesh import ParallelMesh
 from replica.partition.experts import ExpertBlock
 from replica.partition.split import StageModule
@@ -148,7 +149,11 @@ def _collapse(gm: fx.GraphModule, block: ExpertBlock) -> None:
         if n is not None and not n.users:
             gm.graph.erase_node(n)
     for n in list(gm.graph.nodes):  # the stacked weights' reads: the module holds them now
-        if n.op == "get_attr" and not n.users and str(n.target).startswith(block.path + "."):
+        if n.op == "get_attr" and str(n.target).startswith(block.path + "."):
+            if n.users:  # an op outside the call still needs the whole experts: no shard can serve it
+                raise ConfigError(
+                    f"expert parallelism cannot place {block.path}: {sorted(u.name for u in n.users)[:3]} still read "
+                    f"its weight {n.target} outside the experts' call; use expert_parallel_size=1")
             gm.graph.erase_node(n)
 
 
