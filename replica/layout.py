@@ -175,10 +175,6 @@ class Layout:
                 f"expert_parallel_size={e} does not divide the {d} data-parallel replicas: the experts are spread "
                 f"over groups of {e} replicas of each stage. Use expert_parallel_size in "
                 f"{[k for k in range(1, d + 1) if d % k == 0]}, or a layout with a multiple of {e} replicas")
-        if e > 1 and self.sharded:
-            raise ConfigError(
-                f"expert_parallel_size={e} with sharded data parallelism (sharding={self.sharding!r}) does not run "
-                "yet; use sharded_data_parallel=False with expert parallelism, or expert_parallel_size=1")
         kind.check_stages(self.num_stages, self.pipeline_ranks)
 
     @property

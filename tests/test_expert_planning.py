@@ -31,7 +31,6 @@ def test_the_plan_carries_the_experts_and_their_size_through_json() -> None:
     assert [b.path for b in plan.experts] == ["layers.0.moe.experts", "layers.1.moe.experts"]
     again = replica.Plan.from_json(plan.to_json())
     assert again.experts == plan.experts and again.layout == plan.layout
-    assert not plan.layout.sharded  # sharded replicas do not run with expert parallelism yet
     assert _plan(model, ids, 2, num_stages=1).layout.expert_parallel_size == 1
 
 
@@ -66,9 +65,8 @@ def test_a_dense_model_has_no_experts_to_spread() -> None:
 def test_the_layout_checks_expert_parallel_size() -> None:
     with pytest.raises(ConfigError, match=r"expert_parallel_size=2 does not divide the 3 data-parallel replicas"):
         Layout(schedule="1f1b", num_stages=1, pipeline_ranks=1, data_parallel_size=3, expert_parallel_size=2)
-    with pytest.raises(ConfigError, match="sharded data parallelism"):
-        Layout(schedule="1f1b", num_stages=1, pipeline_ranks=1, data_parallel_size=2, sharding="zero3",
-               expert_parallel_size=2)
+    assert Layout(schedule="1f1b", num_stages=1, pipeline_ranks=1, data_parallel_size=2, sharding="zero3",
+                  expert_parallel_size=2).expert_parallel_size == 2  # FSDP2 shards the rest
 
 
 def test_imbalance_is_the_busiest_ranks_slots_over_the_mean() -> None:

@@ -15,7 +15,8 @@ each stage this process runs, after the pipeline split:
    **compilation** plugs in after it (its issue);
 4. **data parallelism**: FSDP2 (``fully_shard`` per block, then the stage) over the mesh's
    ``dp_shard`` slice, or ``(dp_replicate, dp_shard)`` under HSDP, for sharded replicas; whole
-   replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`).
+   replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`); FSDP2
+   leaves the experts' shards alone (their gradients are reduced by expert parallelism).
 
 It also decides, once, what the runtimes read about the stages (:class:`StageFlags`): whether a
 backward sends its input gradient before computing its weight gradients, which stages defer
@@ -30,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from replica.parallel.experts import ExpertGroups, expert_groups, place_experts
+from replica.parallel.experts import ExpertGroups, expert_groups, expert_parameters, place_experts
 from replica.parallel.fsdp import shard_stage
 from replica.parallel.mesh import ParallelMesh
 from replica.parallel.tensor_parallel import shard_stage_tensors
@@ -154,5 +155,5 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
     if mesh is not None and flags.sharded:
         for stage in sorted(mine, key=lambda s: s.stage_index):
             shard_stage(stage.module, mesh.sharding_mesh, reshard_after_forward=plan.layout.sharding == "zero3",
-                        gather_dtype=autocast_dtype(plan.precision))
+                        gather_dtype=autocast_dtype(plan.precision), ignored=set(expert_parameters([stage.module])))
     return flags

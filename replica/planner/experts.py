@@ -236,7 +236,7 @@ def plan_experts(traced: Traced, plan: Plan, expert_parallel_size: int | None, s
         check_experts(blocks, plan, expert_parallel_size, graph.model_name)
         sizes: tuple[int, ...] = (expert_parallel_size,)
     else:
-        sizes = expert_choices(blocks, plan.data_parallel_size) if not plan.layout.sharded else (1,)
+        sizes = expert_choices(blocks, plan.data_parallel_size)
         stage_of = {n: s.stage_index for s in plan.stages for n in s.node_names}
         if any(len({stage_of.get(n) for n in b.nodes}) > 1 for b in blocks):
             sizes = (1,)  # a block cut between stages cannot run its all-to-all

@@ -340,8 +340,6 @@ class PlanRequest(PlanningOptions):
     def shardings(self) -> tuple[str, ...]:
         """The shardings of the replicas the planner may choose from."""
         asked = self.sharded_data_parallel
-        if asked is None and (self.expert_parallel_size or 1) > 1:
-            return ("none",)  # expert parallelism does not run with sharded replicas yet
         if asked is None:
             return SHARDINGS[1:] if self.shard_group_size is not None else SHARDINGS
         if isinstance(asked, str):

@@ -3,7 +3,7 @@ MoE layer's experts, tokens go to their experts' ranks and back by all-to-all, a
 (experts gathered with ``full_tensor()``) is the plain model's on the whole batch, on routing the
 trace never saw (another batch, an expert without a token, one expert taking every token): ep=2
 (2 ranks: 1 stage x 2 replicas), ep=2 x pp=2 (4 ranks: 2 stages x 2 replicas), ep=4 (4 ranks, one
-expert each) and ep=2 over 4 replicas (two expert groups); the plain stacked-weight MoE, HF Mixtral
+expert each), ep=2 over 4 replicas (two expert groups) and ep=2 x FSDP2; the plain stacked-weight MoE, HF Mixtral
 and DeepSeek-V3 (ep=2), the plain MoE (4 ranks); Mixtral's load-balancing loss in the loss. One
 spawned job per world size runs every case."""
 
@@ -109,8 +109,9 @@ def _run(world: int, cases: list[tuple[str, int, int, dict]]) -> list[dict]:
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     # and the plain MoE with every block checkpointed under a zero-bubble schedule (the all-to-all
-    # runs again in backward; weight gradients in W)
-    return _run(2, [(name, 1, 2, {}) for name in TWO_RANKS] + [("plain", 1, 2, dict(recompute=True, schedule="zb-h1"))])
+    # runs again in backward; weight gradients in W), and with FSDP2 (zero3) sharding the rest
+    return _run(2, [(name, 1, 2, {}) for name in TWO_RANKS] + [("plain", 1, 2, dict(recompute=True, schedule="zb-h1")),
+                                                                ("plain", 1, 2, dict(sharded_data_parallel="zero3"))])
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +140,8 @@ def _check(by_rank: list[dict], world: int) -> None:
 
 def test_ep2_trains_exactly_with_half_the_experts_per_rank(two_ranks):
     """The plain MoE, HF Mixtral and DeepSeek-V3 (Qwen3-MoE and GPT-OSS passed too, left out for
-    time); the plain MoE again, checkpointed, under zb-h1."""
-    assert [r["name"] for r in two_ranks[0]["reports"]] == TWO_RANKS + ["plain"]
+    time); the plain MoE again, checkpointed, under zb-h1; and ep=2 x FSDP2 (zero3)."""
+    assert [r["name"] for r in two_ranks[0]["reports"]] == TWO_RANKS + ["plain", "plain"]
     _check(two_ranks, 2)
 
 
