@@ -205,18 +205,22 @@ def sharded_experts_graph(graph: Graph, expert_parallel_size: int) -> Graph:
 
 def _priced(plan: Plan, costs: ExpertCosts, blocks: Sequence[ExpertBlock], graph: Graph,
             state_per_byte: float, held_already: bool = False) -> Plan:
-    """``plan`` at ``costs``' size, its step and each stage's expert state priced (``held_already``:
-    the partition was priced on :func:`sharded_experts_graph`, its memory holds the shards)."""
-    e = 1 if held_already else costs.expert_parallel_size
+    """``plan`` at ``costs``' size, its step and each stage's expert state priced: each rank holds
+    ``1 / ep`` of the experts' weights, gradients and optimizer state, which sharded replicas'
+    FSDP2 leaves whole (``held_already``: the partition was priced on :func:`sharded_experts_graph`,
+    its memory holds ``1 / ep`` already, then ``1 / replicas`` of that where sharded)."""
+    e = costs.expert_parallel_size
+    d = plan.data_parallel_size if plan.layout.sharded else 1
+    priced = (e if held_already else 1) * d  # the experts' share of a rank the partition counted
     stages = []
     for st in plan.stages:
-        held = sum(graph.parameters[p].nbytes for b in blocks for p in b.parameters
-                   if p in st.parameter_names) * (1 - 1 / e)
-        memory = dataclasses.replace(st.memory, parameters=int(st.memory.parameters - held),
-                                     gradients=int(st.memory.gradients - held),
-                                     optimizer=int(st.memory.optimizer - held * (state_per_byte - 2)))
+        whole = sum(graph.parameters[p].nbytes for b in blocks for p in b.parameters if p in st.parameter_names)
+        delta = whole / e - whole / priced if e > 1 else 0.0  # per copy (weights, gradients, each optimizer state)
+        memory = dataclasses.replace(st.memory, parameters=int(st.memory.parameters + delta),
+                                     gradients=int(st.memory.gradients + delta),
+                                     optimizer=int(st.memory.optimizer + delta * (state_per_byte - 2)))
         stages.append(dataclasses.replace(st, memory=memory))
-    layout = dataclasses.replace(plan.layout, expert_parallel_size=costs.expert_parallel_size)
+    layout = dataclasses.replace(plan.layout, expert_parallel_size=e)
     return dataclasses.replace(plan, layout=layout, experts=tuple(blocks), stages=tuple(stages),
                                predicted_step_time_s=plan.predicted_step_time_s + costs.step_delta_s(plan),
                                expert_parallel_s=costs.alltoall_s, expert_parallel_bytes=int(costs.alltoall_bytes),
