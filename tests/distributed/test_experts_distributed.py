@@ -3,9 +3,9 @@ MoE layer's experts, tokens go to their experts' ranks and back by all-to-all, a
 (experts gathered with ``full_tensor()``) is the plain model's on the whole batch, on routing the
 trace never saw (another batch, an expert without a token, one expert taking every token): ep=2
 (2 ranks: 1 stage x 2 replicas), ep=2 x pp=2 (4 ranks: 2 stages x 2 replicas), ep=4 (4 ranks, one
-expert each), ep=2 over 4 replicas (two expert groups) and ep=2 x FSDP2; the plain stacked-weight MoE, HF Mixtral
-and DeepSeek-V3 (ep=2), the plain MoE (4 ranks); Mixtral's load-balancing loss in the loss. One
-spawned job per world size runs every case."""
+expert each), ep=2 over 4 replicas (two expert groups), ep=2 x tp=2 and ep=2 x FSDP2; the plain
+stacked-weight MoE, HF Mixtral and DeepSeek-V3 (ep=2), the plain MoE (the rest); Mixtral's
+load-balancing loss in the loss. One spawned job per world size runs every case."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def job(rank: int, world: int, cases: list[tuple[str, int, int, dict]]) -> bytes
                 for n, p in pm.named_parameters() if any(n.startswith(b.path + ".") for b in pm.plan.experts)}
         report: dict[str, Any] = {"name": name, "ep": pm.plan.layout.expert_parallel_size, "held": held, "asked": ep,
                                   "whole": {n: tuple(p.shape) for n, p in plain.named_parameters() if n in held},
-                                  "replicas": pm.data_parallel_size, "steps": []}
+                                  "replicas": pm.data_parallel_size, "tp": pm.plan.layout.tensor_parallel_size,
+                                  "steps": []}
         x, y = _batch(vocab, 12, 2)  # another size, another routing; replicas of 6 or 3 samples
         report["steps"].append(("natural", moe_zoo.routing(plain, x), _compare(pm, plain, x, y)))
         for mode in ("starve", "hog"):
@@ -116,7 +117,10 @@ def two_ranks() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return _run(4, [("plain", stages, ep, {}) for stages, ep in FOUR_RANKS])
+    # and tp=2 x ep=2: attention, embedding and head cut across 2 tensor-parallel ranks, the experts
+    # whole on each (every tensor-parallel coordinate its own expert groups)
+    return _run(4, [("plain", stages, ep, {}) for stages, ep in FOUR_RANKS]
+                + [("plain", 1, 2, dict(tensor_parallel_size=2, sharded_data_parallel=False))])
 
 
 def _check(by_rank: list[dict], world: int) -> None:
@@ -125,7 +129,7 @@ def _check(by_rank: list[dict], world: int) -> None:
         model, _ = moe_zoo.build(name)
         everything = {n for n, _ in model.named_parameters()}
         stages = len({tuple(sorted(r["held"])) for r in reports})
-        assert all(r["ep"] == ep and r["replicas"] == world // stages for r in reports), reports
+        assert all(r["ep"] == ep and r["replicas"] == world // stages // r["tp"] for r in reports), reports
         for step in range(3):
             mode, counts, _ = reports[0]["steps"][step]
             assert set().union(*(r["steps"][step][2] for r in reports)) == everything, (name, mode)
@@ -150,6 +154,6 @@ def test_the_routers_auxiliary_loss_keeps_flowing_under_expert_parallelism(two_r
     assert all(r["aux"]["aux_loss"] > 0 for r in two_ranks), two_ranks
 
 
-def test_ep2_by_two_stages_ep4_and_two_expert_groups_train_exactly(four_ranks):
-    assert [r["asked"] for r in four_ranks[0]["reports"]] == [ep for _, ep in FOUR_RANKS]
+def test_ep2_by_two_stages_ep4_two_expert_groups_and_tp2_train_exactly(four_ranks):
+    assert [r["asked"] for r in four_ranks[0]["reports"]] == [ep for _, ep in FOUR_RANKS] + [2]
     _check(four_ranks, 4)
