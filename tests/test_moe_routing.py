@@ -1,7 +1,8 @@
 """Mixtures of experts stay exact under any routing: traced on one batch, a pipelined MoE trains on
 others, routed as the trace never saw (an expert without a token, one taking every token), with
 the plain model's gradients. The plain stacked-weight MoE and tiny HF Mixtral, Qwen3-MoE,
-DeepSeek-V3 (a dense first layer, a shared expert) and GPT-OSS; one process, 2 stages."""
+DeepSeek-V3 (a dense first layer, a shared expert) and GPT-OSS; one process, 2 stages. Their
+plans hold each MoE layer's expert block (replica/partition/experts.py), found on the exported graph."""
 
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ def test_traced_on_one_routing_trains_exactly_on_any_other(name: str) -> None:
     traced = moe_zoo.routing(plain, traced_x)
     pm = replica.auto_parallel(copy.deepcopy(plain), (traced_x,), num_stages=2, num_microbatches=2,
                                loss_fn=_loss, device=COMPUTE_BOUND)
+    layers = [1] if name == "deepseek_v3" else [0, 1]  # DeepSeek-V3's first layer is dense
+    prefix = "" if name == "plain" else "model."
+    where = "moe" if name == "plain" else "mlp"
+    assert [b.path for b in pm.plan.experts] == [f"{prefix}layers.{i}.{where}.experts" for i in layers]
+    assert all((b.num_experts, b.top_k, b.num_tokens) == (4, 2, 32) for b in pm.plan.experts)
     x, y = _batch(vocab, 6, 2)  # another size, another routing
     assert moe_zoo.routing(plain, x) != traced
     _step(pm, plain, x, y, "natural")
