@@ -4,9 +4,9 @@
 prices spreading them (:func:`expert_costs`: the all-to-all's bytes and latency within or across
 nodes, the routing's imbalance measured on the example batch, the experts' gradient all-reduce
 and state saved), settles ``expert_parallel_size`` (the user's number; None: the fastest of
-:func:`expert_choices` that fits) and records it on the plan with its figures. Every number that
-cannot work is a ``ConfigError`` here, before any rank starts: no expert block, an expert count
-or a replica count it does not divide, a stage cut inside a block.
+:func:`expert_choices` that fits, whole experts on a tie) and records it on the plan with its
+figures. Every number that cannot work is a ``ConfigError`` here, before any rank starts: no
+expert block, an expert count or a replica count it does not divide, a stage cut inside a block.
 
 Weighed on the layout the tuner chose (its pipeline, tensor-parallel and data-parallel sizes), not
 inside its search: the tuner's layouts are compared without expert parallelism. A size the user
@@ -231,8 +231,8 @@ def plan_experts(traced: Traced, plan: Plan, expert_parallel_size: int | None, s
                  budget: float = float("inf"), tie: float = 0.01, optimizer: str = "adam") -> Plan:
     """``plan`` with the traced graph's expert blocks and its layout's ``expert_parallel_size``:
     the one asked (checked), or for None the fastest of :func:`expert_choices` whose busiest
-    stage fits ``budget``, within ``tie`` the one holding least (the largest). Priced by
-    :func:`expert_costs` on the example batch's routing."""
+    stage fits ``budget``, within ``tie`` the smallest (whole experts: nothing spreads them unless
+    it pays). Priced by :func:`expert_costs` on the example batch's routing."""
     graph = traced.graph
     blocks = find_expert_blocks(graph)
     state = 4.0 if optimizer == "adam" else 3.0 if optimizer in ("sgd_momentum", "momentum") else 2.0
@@ -251,4 +251,4 @@ def plan_experts(traced: Traced, plan: Plan, expert_parallel_size: int | None, s
     fits = [p for p in plans if max(s.predicted_memory_bytes for s in p.stages) <= budget] or plans
     fastest = min(p.predicted_step_time_s for p in fits)
     near = [p for p in fits if p.predicted_step_time_s <= fastest * (1 + tie)]
-    return min(near, key=lambda p: (max(s.predicted_memory_bytes for s in p.stages), p.predicted_step_time_s))
+    return min(near, key=lambda p: (p.layout.expert_parallel_size, p.predicted_step_time_s))  # whole on a tie
