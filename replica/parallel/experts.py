@@ -129,8 +129,9 @@ class ExpertParallel(nn.Module):
         expert = torch.repeat_interleave(torch.arange(L, device=index.device).repeat(g.size), received)
         if rows.shape[0]:
             out = self._experts(rows, expert)
-        else:  # no token for my experts: nothing to run, but the reverse all-to-all's backward must run here too
-            out = rows * 0
+        else:  # no token for my experts: nothing to run, but the reverse all-to-all's backward must run here
+            # too, so the (empty) output depends on what needs a gradient (the experts' zero gradients)
+            out = rows * 0 + sum(p.to_local().sum() for p in self.parameters()) * 0
         back = _all_to_all(out, send, recv, g.group)  # (N * k, dim), in ``order``
         weighted = back * weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
         return torch.zeros_like(tokens).index_add(0, order // k, weighted.to(tokens.dtype))
