@@ -73,7 +73,7 @@ def _aux(rank: int) -> dict[str, Any]:
     return {"aux_loss": float(plain(x).aux_loss), "checked": len(grads)}
 
 
-def job(rank: int, world: int, cases: list[tuple[str, int, int, dict]]) -> bytes:
+def job(rank: int, world: int, cases: list[tuple[str, int, int, dict]], checkpoint: str | None = None) -> bytes:
     """Per case (model, num_stages, expert_parallel_size, more keywords): traced on one batch, three
     steps on another (natural routing, an expert starved, one taking every token), every gradient compared."""
     reports = []
@@ -98,21 +98,31 @@ def job(rank: int, world: int, cases: list[tuple[str, int, int, dict]]) -> bytes
         state, want = pm.state_dict(), plain.state_dict()  # the experts gathered whole (a collective)
         for n in held:
             torch.testing.assert_close(state[n], want[n], rtol=0, atol=0)
+        if checkpoint is not None and not reports:  # each rank writes its shards (torch's DCP)
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(pm.held_state(), checkpoint_id=checkpoint)
         reports.append(report)
     aux = _aux(rank) if world == 2 and any(name == "mixtral" for name, *_ in cases) else None
     return pickle.dumps({"reports": reports, "aux": aux})
 
 
-def _run(world: int, cases: list[tuple[str, int, int, dict]]) -> list[dict]:
-    return [pickle.loads(r) for r in run_local(job, world, cases, timeout_s=RUN_TIMEOUT_S)]
+def _run(world: int, cases: list[tuple[str, int, int, dict]], checkpoint: str | None = None) -> list[dict]:
+    return [pickle.loads(r) for r in run_local(job, world, cases, checkpoint, timeout_s=RUN_TIMEOUT_S)]
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
+def checkpoint(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("ep2") / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint) -> list[dict]:
     # and the plain MoE with every block checkpointed under a zero-bubble schedule (the all-to-all
     # runs again in backward; weight gradients in W), and with FSDP2 (zero3) sharding the rest
     return _run(2, [(name, 1, 2, {}) for name in TWO_RANKS] + [("plain", 1, 2, dict(recompute=True, schedule="zb-h1")),
-                                                                ("plain", 1, 2, dict(sharded_data_parallel="zero3"))])
+                                                                ("plain", 1, 2, dict(sharded_data_parallel="zero3"))],
+                checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +167,20 @@ def test_the_routers_auxiliary_loss_keeps_flowing_under_expert_parallelism(two_r
 def test_ep2_by_two_stages_ep4_two_expert_groups_and_tp2_train_exactly(four_ranks):
     assert [r["asked"] for r in four_ranks[0]["reports"]] == [ep for _, ep in FOUR_RANKS] + [2]
     _check(four_ranks, 4)
+
+
+def test_a_checkpoint_written_at_ep2_loads_into_the_plain_model(two_ranks, checkpoint):
+    """Each rank wrote its experts' shards by DCP (the first case, the plain MoE after its last
+    step's forced routing); torch alone reads them back whole under the original names."""
+    import torch.distributed.checkpoint as dcp
+
+    model, _ = moe_zoo.build("plain")
+    for mode in ("starve", "hog"):  # the weights the job's model ended with
+        moe_zoo.force(model, "plain", mode)
+    want = {n: t.clone() for n, t in model.state_dict().items()}
+    for t in model.state_dict().values():
+        t.zero_()
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint)
+    for n, t in state.items():
+        torch.testing.assert_close(t, want[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
