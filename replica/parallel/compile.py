@@ -122,11 +122,14 @@ def _compile_forward(module: fx.GraphModule, backend: str, eager_linears: int) -
 
 def runs_eagerly(plan: Plan, stage_index: int) -> str:
     """Why stage ``stage_index`` of ``plan`` runs eagerly ("" where it compiles): not compiled by
-    the plan, or it holds tensor-parallel blocks (see the module's docstring)."""
+    the plan, it holds tensor-parallel blocks (see the module's docstring), or experts spread over
+    an expert group."""
     if not plan.compile:
         return "the plan does not compile"
     if plan.tensor_parallel_size > 1 and plan.blocks_of(stage_index):
         return "it holds tensor-parallel blocks (strided DTensor shards dynamo does not trace)"
+    if stage_index in plan.expert_parallel_stages:
+        return "it dispatches tokens to other ranks' experts (all-to-all of data-dependent sizes)"
     return ""
 
 

@@ -1,8 +1,10 @@
-"""The one ordered step that wraps a rank's stages: tensor parallelism, stage rewrites, checkpointing, compile, FSDP2.
+"""The one ordered step that wraps a rank's stages: experts, TP, stage rewrites, checkpointing, compile, FSDP2.
 
 torchtitan applies its parallelisms to a model in one explicit order; Replica does the same to
 each stage this process runs, after the pipeline split:
 
+0. **expert parallelism** (:mod:`replica.parallel.experts`): each MoE layer's experts spread
+   over an expert group of replicas, tokens dispatched to them and back by all-to-all;
 1. **tensor parallelism** (:mod:`replica.parallel.tensor_parallel`): the plan's blocks cut over
    the mesh's ``tp`` slice, parameters becoming DTensor shards;
 2. **stage rewrites** (:mod:`replica.stage`): float8 linears where the plan asks
@@ -16,7 +18,8 @@ each stage this process runs, after the pipeline split:
    root unit outside (a stage holding tensor-parallel blocks stays eager, said in the summary);
 5. **data parallelism**: FSDP2 (``fully_shard`` per block, then the stage) over the mesh's
    ``dp_shard`` slice, or ``(dp_replicate, dp_shard)`` under HSDP, for sharded replicas; whole
-   replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`).
+   replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`); FSDP2
+   leaves the experts' shards alone (their gradients are reduced by expert parallelism).
 
 It also decides, once, what the runtimes read about the stages (:class:`StageFlags`): whether a
 backward sends its input gradient before computing its weight gradients, which stages defer
@@ -25,13 +28,14 @@ their linears' weight gradients, and whether the stage modules are FSDP2 roots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from replica.parallel.compile import compile_stage, runs_eagerly
+from replica.parallel.experts import ExpertGroups, expert_groups, expert_parameters, place_experts
 from replica.parallel.float8 import float8_stage
 from replica.parallel.fsdp import shard_stage
 from replica.parallel.mesh import ParallelMesh
@@ -65,6 +69,7 @@ class StageFlags:
     early_input_grads: bool
     deferring: frozenset[int]
     whole_stage: dict[int, str] = field(default_factory=dict)
+    experts: ExpertGroups | None = None  # expert parallelism's groups, where the plan spreads experts
 
 
 def sending_input_grads(stages: Sequence[StageModule], place: dict[int, int]) -> set[int]:
@@ -119,13 +124,18 @@ def checkpointed_blocks(plan: Plan, stage_index: int) -> tuple[str, ...]:
 
 
 def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, mesh: ParallelMesh | None, *,
-                canonical: dict[str, str]) -> StageFlags:
+                canonical: dict[str, str], model: torch.nn.Module | None = None) -> StageFlags:
     """Wrap the stages this process runs, in place, in the module's order (see its docstring).
     ``mesh`` None: one process, every stage here, nothing cut or sharded. ``canonical``: a tied
-    weight's aliases to its first name. Returns the :class:`StageFlags` the runtimes read."""
+    weight's aliases to its first name. ``model``: the user's, whose experts modules expert
+    parallelism calls. Returns the :class:`StageFlags` the runtimes read."""
     flags = stage_flags(stages, plan, schedule, mesh is not None)
     place = placement(schedule)
     mine = [s for s in stages if mesh is None or place[s.stage_index] == mesh.pipeline_rank]
+    # 0. expert parallelism: each MoE layer's experts spread over an expert group of replicas
+    if mesh is not None and plan.layout.expert_parallel_size > 1 and plan.experts and model is not None:
+        flags = replace(flags, experts=expert_groups(mesh, plan.layout.expert_parallel_size, mesh.mesh.device_type))
+        place_experts(mine, plan.experts, model, flags.experts)
     # 1. tensor parallelism: one dict for every stage of this rank, so that a weight two of
     # them read (a tied embedding and head) stays one parameter
     if mesh is not None and plan.layout.tensor_parallel_size > 1 and plan.tensor_parallel:
@@ -156,5 +166,5 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
     if mesh is not None and flags.sharded:
         for stage in sorted(mine, key=lambda s: s.stage_index):
             shard_stage(stage.module, mesh.sharding_mesh, reshard_after_forward=plan.layout.sharding == "zero3",
-                        gather_dtype=autocast_dtype(plan.precision))
+                        gather_dtype=autocast_dtype(plan.precision), ignored=set(expert_parameters([stage.module])))
     return flags

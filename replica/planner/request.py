@@ -53,7 +53,9 @@ class PlanningOptions:
     ``sequence_parallel`` (Megatron's sequence parallelism, with ``tensor_parallel_size`` > 1: the
     norms, dropouts and residuals between tensor-parallel blocks hold a shard of the tokens, a
     block's entry all-gathers them and its exit reduce-scatters; True, False, or None: the
-    planner prices both),
+    planner prices both), ``expert_parallel_size`` (each MoE layer's experts spread over this many
+    data-parallel replicas of its stage, tokens sent to them and back by all-to-all; a divisor of the
+    replicas and of every MoE layer's expert count; None: the planner's choice),
     ``recompute`` (activation checkpointing per stage, :mod:`replica.partition.recompute`: True
     checkpoints every block, a stage without blocks whole; ``"selective"`` keeps the blocks'
     matmul and attention outputs and recomputes the rest; an int ``k`` the first k blocks of each
@@ -91,6 +93,7 @@ class PlanningOptions:
     sharded_data_parallel: bool | str | None = None
     shard_group_size: int | None = None
     sequence_parallel: bool | None = None
+    expert_parallel_size: int | None = None
     recompute: bool | str | int | None = None
     compile: bool | None = None
     float8: bool = False
@@ -108,7 +111,7 @@ class PlanningOptions:
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "num_microbatches", "data_parallel_size", "tensor_parallel_size",
-                     "shard_group_size"):
+                     "shard_group_size", "expert_parallel_size"):
             check_count(name, getattr(self, name))
         if self.schedule is not None and not (isinstance(self.schedule, str) and self.schedule.lower() == "auto"):
             try:
@@ -255,6 +258,16 @@ class PlanRequest(PlanningOptions):
             )
         self._check_world()
         self._check_tensor_parallel()
+        e = self.expert_parallel_size
+        if e is not None and e > 1 and self.world_size is None:
+            raise ConfigError(
+                f"expert_parallel_size={e} needs a world of processes (the experts spread over {e} data-parallel "
+                "replicas): give world_size= to replica.plan, or run auto_parallel under torchrun")
+        if e is not None and self.data_parallel_size is not None and self.data_parallel_size % e:
+            d = self.data_parallel_size
+            raise ConfigError(
+                f"expert_parallel_size={e} does not divide data_parallel_size={d}: the experts spread over groups of "
+                f"{e} replicas. Use expert_parallel_size in {[k for k in range(1, d + 1) if d % k == 0]}")
         if self.sequence_parallel is True and self.tensor_parallel_fixed() == 1:
             raise ConfigError(
                 "sequence_parallel=True shards the tokens between tensor-parallel blocks, but this plan has one "
