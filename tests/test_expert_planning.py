@@ -130,3 +130,15 @@ def test_experts_that_fit_only_spread_are_placed_when_the_size_is_given() -> Non
         .expert_parallel_size == 2
     with pytest.raises(PartitionError):
         _plan(model, ids, 2, num_stages=1, expert_parallel_size=1, memory_budget=budget)
+
+
+def test_compiled_plans_keep_expert_parallel_stages_eager_and_say_so() -> None:
+    from replica.parallel.compile import runs_eagerly
+
+    model, ids = _plain()
+    plan = _plan(model, ids, 2, num_stages=1, expert_parallel_size=2, compile=True)
+    assert plan.expert_parallel_stages == (0,)
+    assert "all-to-all" in runs_eagerly(plan, 0)
+    assert "stages [0] run eagerly: their all-to-all dispatch" in plan.compile_line
+    whole = _plan(model, ids, 2, num_stages=1, expert_parallel_size=1, compile=True)
+    assert whole.expert_parallel_stages == () and runs_eagerly(whole, 0) == ""
