@@ -25,7 +25,15 @@ from replica.partition.blocks import block_of, find_blocks, repeated_containers
 from replica.partition.cost import CostModel
 from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo, fingerprint
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
-from replica.partition.recompute import check_mode, kept_by_selective, regions, saves_activation, stage_activations
+from replica.partition.recompute import (
+    check_mode,
+    defers_weight_grad,
+    kept_by_selective,
+    regions,
+    saves_activation,
+    stage_activations,
+    weight_grad_bytes,
+)
 from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
 from replica.units import format_bytes
 
@@ -188,15 +196,8 @@ def _state_bytes(graph: Graph, names: Sequence[str], memory_model: MemoryModel, 
     return int(held[0]), int(held[1]), int(held[2])
 
 
-def _deferred(n: Node) -> bool:
-    """Whether ``n`` is a linear layer whose weight gradient a split backward defers
-    (:func:`replica.stage.weightgrad.defer_linear_weight_grads`): it keeps no autocast copy of
-    its weight for backward (it casts the parameter again)."""
-    return n.target.split(".")[0] in ("linear", "addmm") and bool(n.parameters)
-
-
 def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[str], cm: CostModel, m: int,
-                       memory_model: MemoryModel, deferring: bool = False) -> tuple[int, int, frozenset[str]]:
+                       memory_model: MemoryModel, deferring: bool = False) -> tuple[int, int, frozenset[str], int]:
     """What the whole batch's forwards keep on a stage of ``members`` (each micro-batch's
     activations under the recompute mode, and autocast's weight copies where FSDP does not
     gather the weights already cast), the bytes its largest recomputed block rebuilds at once,
@@ -204,7 +205,7 @@ def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[s
     act = stage_activations(members, blocks, memory_model.recompute)
     # autocast's weight copies: kept per micro-batch outside checkpointed regions, made again inside
     # them (one region's at a time; a stage without blocks is its one region)
-    outside = [n for n in members if n.name not in act.inside and not (deferring and _deferred(n))]
+    outside = [n for n in members if n.name not in act.inside and not (deferring and defers_weight_grad(n))]
     copies = 0 if memory_model.sharded else m * weight_copy_bytes(graph, outside)
     rebuilt = 0 if memory_model.sharded or not act.inside else m * max(
         weight_copy_bytes(graph, region) for region in regions(members, blocks)
@@ -214,7 +215,9 @@ def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[s
     # fit again when it is cut within the budget)
     k = memory_model.recompute
     extra = act.extra if isinstance(k, int) and not isinstance(k, bool) else act.peak
-    return int(cm.scaled(act.kept)) + copies, int(cm.scaled(extra)) + rebuilt, act.again
+    # a split backward holds each deferred linear's input and output gradient from B to W
+    held = int(cm.scaled(weight_grad_bytes(members, graph, act.inside))) if deferring else 0
+    return int(cm.scaled(act.kept)) + copies, int(cm.scaled(extra)) + rebuilt, act.again, held
 
 
 def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
@@ -398,7 +401,7 @@ def partition(
     # --- memory ---------------------------------------------------------------------------
     modes = _modes(graph, memory_model.recompute)
     fraction = models[0].batch_fraction
-    deferred = frozenset(x.name for x in nodes if _deferred(x)) if schedule_kind(schedule).splits_backward \
+    deferred = frozenset(x.name for x in nodes if defers_weight_grad(x)) if schedule_kind(schedule).splits_backward \
         else frozenset()
     static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction, modes.inside | deferred)
     kept = _segment_sums(modes.kept * fraction / m, seg_of, num_seg) + copies  # a micro-batch's
@@ -673,7 +676,8 @@ def _describe(
         params = held[k]
         parameters, gradients, optimizer = _state_bytes(graph, params, memory_model, units, m > 1)
         blocks = find_blocks([n.module_path for n in members], containers)
-        saved, rebuilt, again = _stage_activations(graph, members, blocks, cm, m, memory_model, deferring)
+        saved, rebuilt, again, weight_held = _stage_activations(graph, members, blocks, cm, m, memory_model,
+                                                                deferring)
         received = sum(b.nbytes for b in incoming[k])
         # the per-call part: what a call costs whatever the micro-batch size
         fixed_fwd = sum(cm.call_overhead(n) for n in members)
@@ -719,6 +723,7 @@ def _describe(
             blocks=blocks,
             recompute_bytes=rebuilt,
             in_flight=flights[k],
+            weight_grad_bytes=weight_held,
         ))
     step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}

@@ -90,6 +90,9 @@ class StagePlan:
     blocks: tuple[str, ...] = ()
     recompute_bytes: int = 0
     in_flight: int = 1
+    # under a split backward (zero-bubble), what the stage's deferred linears hold from each B to its W
+    # over the whole step (their inputs and output gradients: replica.partition.recompute.weight_grad_bytes)
+    weight_grad_bytes: int = 0
 
     @property
     def recompute_note(self) -> str:
@@ -344,6 +347,7 @@ class Plan:
                     tensor_parallel_bytes=s.get("tensor_parallel_bytes", 0),
                     recompute=s.get("recompute", False), blocks=tuple(s.get("blocks", ())),
                     recompute_bytes=s.get("recompute_bytes", 0), in_flight=s.get("in_flight", 1),
+                    weight_grad_bytes=s.get("weight_grad_bytes", 0),
                 )
                 for s in data.pop("stages")
             )

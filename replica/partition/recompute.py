@@ -24,10 +24,10 @@ from typing import Sequence
 
 from replica.errors import ConfigError
 from replica.partition.blocks import block_of
-from replica.partition.graph import INPUT, OP, Node
+from replica.partition.graph import INPUT, OP, Graph, Node, TensorInfo
 
 __all__ = ["MODES", "check_mode", "saves_activation", "kept_by_selective", "stage_activations", "Activations",
-           "regions", "describe_mode", "needs_blocks"]
+           "regions", "describe_mode", "needs_blocks", "defers_weight_grad", "weight_grad_bytes"]
 
 MODES = (False, True, "selective")  # and any int k >= 0
 # ops whose outputs selective checkpointing keeps (the traced graph's names; stage/checkpoint.py
@@ -159,3 +159,32 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
                  for last, held in rebuilt), default=0)
     return Activations(total, max((held for _, held in rebuilt), default=0), frozenset(again), by_node,
                        frozenset(inside), max(extra, 0))
+
+
+def defers_weight_grad(n: Node) -> bool:
+    """Whether ``n`` is a linear layer whose weight gradient a split backward defers to W
+    (:func:`replica.stage.weightgrad.defer_linear_weight_grads`, outside checkpointed blocks)."""
+    return n.kind == OP and n.target.split(".")[0] in ("linear", "addmm") and bool(n.parameters)
+
+
+def weight_grad_bytes(members: Sequence[Node], graph: Graph, inside: frozenset[str]) -> int:
+    """What a split backward holds of ``members`` (a stage's nodes) from a micro-batch's B to its W,
+    at the traced batch: each deferred linear's input, as it saves it (cast to its compute dtype:
+    under autocast a copy per linear, else the input itself, once), and its output's gradient.
+    A checkpointed block's linears (``inside``) compute their weight gradients in B: none."""
+    held: dict[str, int] = {}
+    grads = 0
+    for n in members:
+        if not defers_weight_grad(n) or n.name in inside or not n.outputs:
+            continue
+        out = n.outputs[0]
+        grads += out.nbytes
+        x = next((graph[a] for a in n.inputs if graph[a].outputs), None)
+        if x is None:
+            continue
+        t = x.outputs[0]
+        if t.dtype == out.dtype:
+            held[x.name] = t.nbytes
+        else:  # autocast's cast of the input: one per linear
+            held[f"{n.name}:input"] = TensorInfo(t.shape, out.dtype).nbytes
+    return grads + sum(held.values())

@@ -26,7 +26,7 @@ from replica.partition.cost import DeviceSpec, device_spec
 from replica.partition.plan import Plan
 from replica.schedules.actions import Action, placement, splits_backward
 from replica.schedules.schedule import WEIGHT_SHARE, max_in_flight
-from replica.schedules.simulate import StageCosts
+from replica.schedules.simulate import StageCosts, peak_memory
 
 __all__ = ["stage_costs_from_plan", "rank_memory"]
 
@@ -46,14 +46,6 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
     split = splits_backward(schedule)
     share = 1 - WEIGHT_SHARE if split else 1.0
     flights = max_in_flight(schedule, plan.num_stages)
-    # a rank rebuilds one micro-batch's block at a time, whichever of its stages runs a backward:
-    # counted on the rank's stage that rebuilds most
-    rebuilding = {}
-    for stage in plan.stages:
-        r = where[stage.stage_index]
-        if stage.recompute_bytes > plan.stages[rebuilding.get(r, stage.stage_index)].recompute_bytes \
-                or r not in rebuilding:
-            rebuilding[r] = stage.stage_index
     costs = []
     for stage in plan.stages:
         k = stage.stage_index
@@ -70,12 +62,14 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
             backward_s=backward * share,
             weight_s=backward * WEIGHT_SHARE if split else 0.0,
             send_s=send,
-            # per micro-batch in flight: what its forward keeps and its received inputs; once: one
-            # micro-batch's recomputed block, and the next micro-batch's inputs, received ahead
+            # per micro-batch in flight: what its forward keeps and its received inputs (under a
+            # split backward its deferred linears' share until W); while its backward runs: its
+            # recomputed block; once: the next micro-batch's inputs, received ahead
             activation_bytes=int(one + received),
+            weight_bytes=int(stage.weight_grad_bytes / m) if split else 0,
+            backward_bytes=int(stage.recompute_bytes / m),
             static_bytes=int(memory.parameters + memory.gradients + memory.optimizer
-                             + (received if flights[k] < m else 0)
-                             + (stage.recompute_bytes / m if rebuilding[where[k]] == k else 0)),
+                             + (received if flights[k] < m else 0)),
             forward_fixed_s=min(stage.fixed_forward_s, forward),
             backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
             input_grad_share=1 - WEIGHT_SHARE if plan.sends_input_grads_early and not split else 1.0,
@@ -85,13 +79,9 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
 
 def rank_memory(costs: Sequence[StageCosts], schedule: Sequence[Sequence[Action]]) -> list[float]:
     """Per pipeline rank of ``schedule``, the bytes it holds at its fullest: its stages' static
-    bytes, and each stage's activations times the micro-batches the schedule holds on it at once."""
-    where = placement(schedule)
-    flights = max_in_flight(schedule, len(costs))
-    memory = [0.0] * len(schedule)
-    for k, c in enumerate(costs):
-        memory[where[k]] += c.static_bytes + c.activation_bytes * flights[k]
-    return memory
+    bytes, and the activations its actions hold at once, walked in its order
+    (:func:`replica.schedules.simulate.peak_memory`)."""
+    return [float(b) for b in peak_memory(schedule, costs)]
 
 
 def _device(name: str) -> DeviceSpec:
