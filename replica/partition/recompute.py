@@ -30,6 +30,10 @@ __all__ = ["MODES", "check_mode", "saves_activation", "kept_by_selective", "stag
            "regions", "describe_mode", "needs_blocks", "defers_weight_grad", "weight_grad_bytes"]
 
 MODES = (False, True, "selective")  # and any int k >= 0
+# a recomputed block's backward holds its rebuilt activations and, as it walks them, gradients of
+# about a quarter as many bytes again (measured 0.95-1.26x the rebuilt bytes, benchmarks/RESULTS.md,
+# activation_memory.py)
+REBUILT_HELD = 1.25
 # ops whose outputs selective checkpointing keeps (the traced graph's names; stage/checkpoint.py
 # keeps the aten ops they run as)
 _KEPT = frozenset({"linear", "addmm", "mm", "bmm", "baddbmm", "matmul", "einsum", "conv1d", "conv2d", "conv3d",
@@ -116,7 +120,8 @@ def regions(members: Sequence[Node], blocks: Sequence[str]) -> list[list[Node]]:
 def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: object) -> Activations:
     """What ``members`` (a stage's nodes, in order) keep and rebuild under ``mode``, with ``blocks``
     the stage's blocks. A block's inputs made on another stage arrive as the stage's inputs and
-    are priced as received, not here."""
+    are priced as received, not here; the stage's own outputs are kept (the runtime holds them
+    for their gradients) even where a checkpointed block made them."""
     mode = check_mode(mode)
     saved_all = {n.name: n.output_bytes for n in members if saves_activation(n)}
     if mode is False or mode == 0:
@@ -138,10 +143,10 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
         if mode == "selective":
             keep = {n.name for n in span if kept_by_selective(n)}
             kept_selective.update((x, here[x].output_bytes) for x in keep)
-            rebuilt.append((span[-1].name, 2 * (saved - sum(saved_all.get(x, 0) for x in keep))))
+            rebuilt.append((span[-1].name, REBUILT_HELD * (saved - sum(saved_all.get(x, 0) for x in keep))))
             again |= names - keep
         else:
-            rebuilt.append((span[-1].name, 2 * saved))
+            rebuilt.append((span[-1].name, REBUILT_HELD * saved))
             again |= names
         for n in span:  # the block's inputs made on this stage (received ones are priced as received)
             for a in n.inputs:
@@ -152,6 +157,10 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
     by_node.update((name, b) for name, b in kept_inputs.items() if name in inside or name not in saved_all)
     for name, b in kept_selective.items():
         by_node[name] = max(by_node.get(name, 0), b)  # an output both kept and a block's input: once
+    for n in members:  # what the stage hands on is held from its forward to its backward (the
+        # gradient of its outputs flows into them), checkpointed or not
+        if n.kind == OP and any(u not in here for u in n.users) and any(t.is_floating for t in n.outputs):
+            by_node[n.name] = max(by_node.get(n.name, 0), n.output_bytes)
     # a region is rebuilt when backward reaches it: what the forward kept after it is freed by then
     order = {n.name: i for i, n in enumerate(members)}
     total = sum(by_node.values())

@@ -56,7 +56,9 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
             send = sum(b.nbytes for b in stage.outputs) / m / link.link_bandwidth + link.link_latency_s
         memory = stage.memory
         one = int(stage.activation_bytes / m)  # what one micro-batch's forward keeps
-        received = sum(b.nbytes for b in stage.inputs) / m  # one micro-batch's inputs
+        # one micro-batch's inputs from other ranks (one made on this rank is its producer's output,
+        # held there until the producer's backward, which comes after this stage's)
+        received = sum(b.nbytes for b in stage.inputs if where[b.source_stage] != where[k]) / m
         costs.append(StageCosts(
             forward_s=forward,
             backward_s=backward * share,
