@@ -70,6 +70,7 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
             activation_bytes=int(one + received),
             weight_bytes=int(stage.weight_grad_bytes / m) if split else 0,
             backward_bytes=int(stage.recompute_bytes / m),
+            gradient_bytes=int(memory.gradients),
             static_bytes=int(memory.parameters + memory.gradients + memory.optimizer
                              + (received if flights[k] < m else 0)),
             forward_fixed_s=min(stage.fixed_forward_s, forward),

@@ -43,7 +43,8 @@ class StageCosts:
     schedule splits out a W, ``weight_bytes`` of them (a deferred weight gradient's inputs
     and output gradients) stay on until W ends. ``backward_bytes`` are held while B runs (a
     recomputed block and its gradients); ``static_bytes`` are parameters, gradients and
-    optimizer.
+    optimizer, but ``gradient_bytes`` of them, which the stage's first B makes (gradients
+    are None from ``zero_grad()`` until then).
     ``input_grad_share`` is the part of B after which its input gradient leaves for
     another rank (1: at its end; the runtimes send it before a whole backward's weight
     gradients, so plans of schedules without W use ``1 - WEIGHT_SHARE``).
@@ -60,10 +61,11 @@ class StageCosts:
     input_grad_share: float = 1.0
     weight_bytes: int = 0
     backward_bytes: int = 0
+    gradient_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "weight_s", "send_s", "activation_bytes", "static_bytes",
-                     "forward_fixed_s", "backward_fixed_s", "weight_bytes", "backward_bytes"):
+                     "forward_fixed_s", "backward_fixed_s", "weight_bytes", "backward_bytes", "gradient_bytes"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"StageCosts.{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0 <= self.input_grad_share <= 1:
@@ -148,21 +150,26 @@ def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageC
     """Per rank: static bytes of its stages plus the peak of live activations. A micro-batch's
     activations on stage s count from the start of F(s, i) to the end of B(s, i), but their
     ``weight_bytes``, which stay until W(s, i) ends where there is one; B(s, i) holds its
-    ``backward_bytes`` while it runs; ``sizes[i]`` scales micro-batch i's."""
+    ``backward_bytes`` while it runs, and the stage's first B makes its ``gradient_bytes``;
+    ``sizes[i]`` scales micro-batch i's."""
     if not costs:
         return (0,) * num_ranks
     split = {(e.action.stage_index, e.action.microbatch_index) for e in events if e.action.kind == WEIGHT}
     static = [0] * num_ranks
     seen: set[int] = set()
+    graded: set[int] = set()
     changes: list[list[tuple[float, int, int]]] = [[] for _ in range(num_ranks)]  # (time, order, bytes)
-    for e in events:
+    for e in sorted(events, key=lambda e: e.start_s):
         s, kind, i = e.action
         if s >= len(costs):
             raise ConfigError(f"event {e.action} names stage {s}, but costs cover {len(costs)} stages")
+        c, size = costs[s], (sizes[i] if sizes else 1.0)
         if s not in seen:
             seen.add(s)
-            static[e.rank] += costs[s].static_bytes
-        c, size = costs[s], (sizes[i] if sizes else 1.0)
+            static[e.rank] += c.static_bytes - min(c.gradient_bytes, c.static_bytes)
+        if kind == BACKWARD and s not in graded:
+            graded.add(s)
+            changes[e.rank].append((e.start_s, 1, min(c.gradient_bytes, c.static_bytes)))
         later = round(min(c.weight_bytes, c.activation_bytes) * size) if (s, i) in split else 0
         if kind == FORWARD:
             changes[e.rank].append((e.start_s, 1, round(c.activation_bytes * size)))
