@@ -36,7 +36,7 @@ from replica.planner.costs import rank_memory, stage_costs_from_plan  # noqa: E4
 from replica.schedules.schedule import plan_schedule  # noqa: E402
 
 MODES: tuple[Any, ...] = (False, 1, "selective", True)
-RUNS = (("1f1b", 2), ("zb-v", 4))
+RUNS = (("1f1b", 2), ("zb-v", 4), ("interleaved", 4))
 PRECISIONS = (None, "bf16")
 
 
