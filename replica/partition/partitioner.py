@@ -297,6 +297,7 @@ def partition(
     bounds: Sequence[int] | None = None,
     stage_ranks: Sequence[int] | None = None,
     together: Sequence[Sequence[str]] = (),
+    stage_recompute: Sequence[bool | str | int] | None = None,
 ) -> Plan:
     """Cut ``graph`` into ``num_stages`` contiguous stages (in its topological order) so that
     the slowest stage — its compute plus everything it sends and receives — is as fast as
@@ -311,7 +312,8 @@ def partition(
     ``stage_ranks[k]`` is the rank stage k runs on: where a rank holds several stages
     (interleaved, V), the cuts then move to balance each rank's sum, not only each stage.
     ``together``: groups of node names no cut may fall between (the first and the last of
-    each), as the structures cut across tensor-parallel ranks.
+    each), as the structures cut across tensor-parallel ranks. ``stage_recompute``: each stage's
+    recompute mode, where they differ (default: ``memory_model.recompute`` for every stage).
     """
     models = list(cost_model) if isinstance(cost_model, (list, tuple)) else [cost_model] * num_stages
     if len(models) != num_stages:
@@ -328,6 +330,11 @@ def partition(
         in_flight_microbatches(schedule, k, num_stages, m) for k in range(num_stages)
     ]
     budgets = _budgets(memory_budget, models, num_stages)
+    if stage_recompute is not None and len(stage_recompute) != num_stages:
+        raise ConfigError(f"stage_recompute has {len(stage_recompute)} modes for num_stages={num_stages}; "
+                          "give one per stage")
+    mode_of = [check_mode(x) for x in stage_recompute] if stage_recompute is not None else \
+        [memory_model.recompute] * num_stages
     index = {n.name: i for i, n in enumerate(nodes)}
 
     if bounds is not None:
@@ -339,7 +346,7 @@ def partition(
         worst = max(sum(models[k].forward_time(n, m) + models[k].backward_time(n, m)
                         for n in nodes[bounds[k]:bounds[k + 1]]) for k in range(num_stages))
         plan = _describe(graph, models, bounds, worst, m, schedule, flights, memory_model, lat, True, 0.0,
-                         stage_ranks)
+                         stage_ranks, mode_of)
         step = max(st.predicted_time_s for st in plan.stages) * (m + num_stages - 1) / m
         return dataclasses.replace(plan, predicted_step_time_s=step)
 
@@ -374,17 +381,18 @@ def partition(
     num_seg = len(edges) - 1
 
     # --- time: compute + communication per device kind --------------------------------------
-    transfers_by_model: dict[int, np.ndarray] = {}
+    transfers_by_model: dict[tuple[int, str], np.ndarray] = {}
     latency = [2 * cm.transfer_time(0, num_messages=m) for cm in models]
 
     def time_matrix(k: int) -> np.ndarray:
         """Stage k's time matrix (a fresh copy: the caller may write infinities into it)."""
         cm = models[k]
-        key = id(cm)
+        key = (id(cm), repr(mode_of[k]))
         if key not in transfers_by_model:
+            again = priced(mode_of[k]).modes.again
             items = np.zeros(num_seg)
             for i, n in enumerate(nodes):
-                items[seg_of[i]] += (1 + modes.again[i]) * cm.forward_time(n, m) + cm.backward_time(n, m)
+                items[seg_of[i]] += (1 + again[i]) * cm.forward_time(n, m) + cm.backward_time(n, m)
             transfers = []
             for i, n in enumerate(nodes):
                 readers = tuple(sorted({int(seg_of[index[u]]) for u in n.users} - {int(seg_of[i])}))
@@ -399,24 +407,33 @@ def partition(
         return transfers_by_model[key].copy()
 
     # --- memory ---------------------------------------------------------------------------
-    modes = _modes(graph, memory_model.recompute)
     fraction = models[0].batch_fraction
     deferred = frozenset(x.name for x in nodes if defers_weight_grad(x)) if schedule_kind(schedule).splits_backward \
         else frozenset()
-    static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction, modes.inside | deferred)
-    kept = _segment_sums(modes.kept * fraction / m, seg_of, num_seg) + copies  # a micro-batch's
-    blocks_in = _segment_sums(modes.block_start, seg_of, num_seg)
-    if modes.whole:  # no blocks: a stage is its one block, its whole saved activations rebuilt at once
-        rebuilt = _segment_sums(modes.saved * fraction / m, seg_of, num_seg) + copies - kept
-    else:
-        rebuilt = np.where(blocks_in > 0, modes.peak * fraction / m, 0.0)
-        if modes.k:
-            kept = kept - np.minimum(blocks_in, modes.k) * modes.saving * fraction / m
+    by_mode: dict[str, _Priced] = {}
+
+    def priced(mode: bool | str | int) -> _Priced:
+        """A mode's per-node prices and its ``[i, j)`` memory matrices (one micro-batch's)."""
+        if repr(mode) not in by_mode:
+            modes = _modes(graph, mode)
+            static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction,
+                                                    modes.inside | deferred)
+            kept = _segment_sums(modes.kept * fraction / m, seg_of, num_seg) + copies  # a micro-batch's
+            blocks_in = _segment_sums(modes.block_start, seg_of, num_seg)
+            if modes.whole:  # no blocks: a stage is its one block, its whole saved activations rebuilt at once
+                rebuilt = _segment_sums(modes.saved * fraction / m, seg_of, num_seg) + copies - kept
+            else:
+                rebuilt = np.where(blocks_in > 0, modes.peak * fraction / m, 0.0)
+                if modes.k:
+                    kept = kept - np.minimum(blocks_in, modes.k) * modes.saving * fraction / m
+            by_mode[repr(mode)] = _Priced(modes, static, kept, rebuilt, recv)
+        return by_mode[repr(mode)]
 
     def memory_matrix(k: int) -> np.ndarray:
         # kept activations per micro-batch in flight, one micro-batch's recomputed block, and
         # the received inputs of the micro-batches in flight and the next (held_activations)
-        return static + held_activations(kept * m, rebuilt * m, recv, flights[k], m)
+        p = priced(mode_of[k])
+        return p.static + held_activations(p.kept * m, p.rebuilt * m, p.recv, flights[k], m)
 
     def stage_cost(k: int) -> np.ndarray:
         c = time_matrix(k)
@@ -430,7 +447,8 @@ def partition(
     try:
         result = solve(stage_cost, num_stages, preferred_cuts=at_block if at_block.any() else None, tie=BLOCK_TIE)
     except ValueError:
-        raise _infeasible(graph, num_stages, budgets, (static, kept * m, rebuilt * m, recv), schedule, m,
+        p = priced(mode_of[0])
+        raise _infeasible(graph, num_stages, budgets, (p.static, p.kept * m, p.rebuilt * m, p.recv), schedule, m,
                           num_seg) from None
 
     seg_bounds, bottleneck = list(result.bounds), result.bottleneck
@@ -442,19 +460,22 @@ def partition(
         def cost_at(k: int, i: int, j: int) -> float:
             if budgets[k] < INF and memory_model_at(k, i, j) > budgets[k]:
                 return INF
-            return float(transfers_by_model[id(models[k])][i, j])
+            return float(transfers_by_model[id(models[k]), repr(mode_of[k])][i, j])
 
         def memory_model_at(k: int, i: int, j: int) -> float:
-            return float(static[i, j] + held_activations(kept[i, j] * m, rebuilt[i, j] * m, recv[i, j], flights[k], m))
+            p = priced(mode_of[k])
+            return float(p.static[i, j] + held_activations(p.kept[i, j] * m, p.rebuilt[i, j] * m, p.recv[i, j],
+                                                           flights[k], m))
 
         seg_bounds = balance_groups(cost_at, seg_bounds, groups)
         bottleneck = max(cost_at(k, seg_bounds[k], seg_bounds[k + 1]) for k in range(num_stages))
     bounds = [edges[b] for b in seg_bounds]
-    work = [(1 + modes.again[i]) * models[0].forward_time(n, m) + models[0].backward_time(n, m)
+    again = np.min([priced(x).modes.again for x in mode_of], axis=0)  # no stage reruns less
+    work = [(1 + again[i]) * models[0].forward_time(n, m) + models[0].backward_time(n, m)
             for i, n in enumerate(nodes)]
     lower_bound = max(sum(work) / num_stages, max(work)) if len({id(x) for x in models}) == 1 else 0.0
     return _describe(graph, models, bounds, bottleneck, m, schedule, flights, memory_model, latency,
-                     exact, lower_bound, stage_ranks)
+                     exact, lower_bound, stage_ranks, mode_of)
 
 
 def _budgets(memory_budget: float | Sequence[float] | None, models: list[CostModel], k: int) -> list[float]:
@@ -538,6 +559,17 @@ def held_activations(kept: Any, rebuilt: Any, received: Any, in_flight: int, m: 
     inputs for the micro-batches in flight and the next one, whose receive the runtime posts
     while the last backward runs (at most all ``m``)."""
     return (kept * in_flight + rebuilt + received * min(in_flight + 1, m)) / m
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """A recompute mode's per-node prices and the solver's ``[i, j)`` memory matrices under it."""
+
+    modes: "_Modes"
+    static: np.ndarray
+    kept: np.ndarray
+    rebuilt: np.ndarray
+    recv: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -644,7 +676,7 @@ def held_tensors(graph: Graph, members: Sequence[Sequence[Node]]) -> list[list[s
 def _describe(
     graph: Graph, models: list[CostModel], bounds: list[int], bottleneck: float, m: int, schedule: str,
     flights: list[int], memory_model: MemoryModel, latency: list[float], exact: bool, lower_bound: float,
-    stage_ranks: Sequence[int] | None = None,
+    stage_ranks: Sequence[int] | None = None, mode_of: Sequence[bool | str | int] | None = None,
 ) -> Plan:
     nodes = graph.nodes
     num_stages = len(bounds) - 1
@@ -676,8 +708,10 @@ def _describe(
         params = held[k]
         parameters, gradients, optimizer = _state_bytes(graph, params, memory_model, units, m > 1)
         blocks = find_blocks([n.module_path for n in members], containers)
-        saved, rebuilt, again, weight_held = _stage_activations(graph, members, blocks, cm, m, memory_model,
-                                                                deferring)
+        mode = mode_of[k] if mode_of is not None else memory_model.recompute
+        held_model = memory_model if repr(mode) == repr(memory_model.recompute) else \
+            dataclasses.replace(memory_model, recompute=mode)
+        saved, rebuilt, again, weight_held = _stage_activations(graph, members, blocks, cm, m, held_model, deferring)
         received = sum(b.nbytes for b in incoming[k])
         # the per-call part: what a call costs whatever the micro-batch size
         fixed_fwd = sum(cm.call_overhead(n) for n in members)
@@ -719,7 +753,7 @@ def _describe(
             fixed_backward_s=fixed_bwd + sum(cm.call_overhead(n) for n in members if n.name in again),
             tensor_parallel_s=tensor_parallel,
             tensor_parallel_bytes=int(tensor_parallel_bytes),
-            recompute=memory_model.recompute,
+            recompute=mode,
             blocks=blocks,
             recompute_bytes=rebuilt,
             in_flight=flights[k],

@@ -235,6 +235,8 @@ class Plan:
         modes = {repr(s.recompute) for s in self.stages if s.recompute is not False and s.recompute != 0}
         if not modes:
             return ", recomputing activations" if self.recompute else ""
+        if len(modes) == 1 and any(s.recompute is False or s.recompute == 0 for s in self.stages):
+            return ", activation checkpointing per stage"  # a mix: some stages keep everything
         if modes == {"True"}:
             return ", checkpointing every block"
         if modes == {"'selective'"}:
