@@ -23,6 +23,7 @@ from replica.errors import ConfigError, PartitionError
 from replica.layout import SHARDINGS, Layout, schedule_kind
 from replica.partition.blocks import block_of, find_blocks, repeated_containers
 from replica.partition.cost import CostModel
+from replica.partition.crossing import crossing_bytes, crossing_dtype
 from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo, fingerprint
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
 from replica.partition.recompute import (
@@ -398,8 +399,9 @@ def partition(
                 readers = tuple(sorted({int(seg_of[index[u]]) for u in n.users} - {int(seg_of[i])}))
                 if readers:
                     directions = 2 if any(t.is_floating for t in n.outputs) else 1
+                    sent = crossing_bytes(n, [graph[u] for u in n.users])  # as cast for all its readers
                     transfers.append(Transfer(int(seg_of[i]), readers,
-                                              directions * cm.transfer_time(cm.scaled(n.output_bytes), num_messages=0)))
+                                              directions * cm.transfer_time(cm.scaled(sent), num_messages=0)))
             c = interval_costs(items, transfers)
             c[1:, :] += latency[k]  # every stage but the first receives (and returns gradients)
             c[:, :-1] += latency[k]  # every stage but the last sends
@@ -540,7 +542,7 @@ def _memory_matrices(
     for i, x in enumerate(nodes):
         readers = sorted({int(seg_of[index[u]]) for u in x.users} - {int(seg_of[i])})
         # received by [i, j) iff the producer is before i and a reader inside
-        _add_reads(recv_d, int(seg_of[i]), readers, n, x.output_bytes * fraction)
+        _add_reads(recv_d, int(seg_of[i]), readers, n, crossing_bytes(x, [graph[u] for u in x.users]) * fraction)
     recv = np.cumsum(np.cumsum(recv_d, axis=0), axis=1)[: n + 1, : n + 1]
     return static, copies, recv
 
@@ -689,9 +691,11 @@ def _describe(
         if not later:
             continue
         t = n.outputs[0] if len(n.outputs) == 1 else None
+        # under autocast a value every reader casts crosses cast (replica.partition.crossing)
+        readers = [graph[u] for u in n.users if stage_of[index[u]] != stage_of[i]]
         b = BoundaryTensor(
-            n.name, stage_of[i], tuple(later), t.shape if t else None, t.dtype if t else None,
-            int(models[stage_of[i]].scaled(n.output_bytes)),
+            n.name, stage_of[i], tuple(later), t.shape if t else None, crossing_dtype(n, readers) if t else None,
+            int(models[stage_of[i]].scaled(crossing_bytes(n, readers))),
         )
         outgoing[stage_of[i]].append(b)
         for k in later:
