@@ -30,19 +30,33 @@ def test_a_value_every_reader_casts_crosses_in_their_dtype():
     assert crossing_bytes(norm, []) == 4 * 8 * 4
 
 
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x).float())  # a norm of fp32 (a residual stream's dtype) in fp32, on any device
+
+
 class _Blocks(nn.Module):
     """Linear -> LayerNorm blocks: each norm's fp32 output is read by the next linear alone."""
 
     def __init__(self, width: int = 32, num_blocks: int = 4) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width))
-                                    for _ in range(num_blocks))
+        self.layers = nn.ModuleList(_Block(width) for _ in range(num_blocks))
         self.head = nn.Linear(width, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, width) -> (B, T, 8)
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+def casts(module: torch.fx.GraphModule) -> int:
+    """How many values a stage module casts to bf16 (the cuts' casts)."""
+    return sum(1 for n in module.graph.nodes if n.op == "call_method" and n.target == "to"
+               and torch.bfloat16 in n.args)
 
 
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -58,6 +72,7 @@ def test_a_norm_output_crosses_in_bf16_with_the_plain_gradients():
     (sent,) = pm.plan.stages[0].outputs
     assert sent.dtype == "bfloat16" and sent.nbytes == x.numel() * 2, sent  # a LayerNorm's fp32 output, cast
     assert pm.plan.stages[1].inputs == (sent,)
+    assert casts(pm.stages[0].module) == 1  # the stage casts it: the norm itself computes in fp32
     pm.train_step((x,), y)
     ref = microbatch_reference(plain, (x,), y, _mse, pm.plan, torch.bfloat16)
     want = dict(ref.named_parameters())

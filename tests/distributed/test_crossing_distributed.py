@@ -12,7 +12,7 @@ import replica
 from tests.conftest import COMPUTE_BOUND
 from tests.distributed.test_distributed import STEP_TIMEOUT_S, _portable, _run
 from tests.distributed.test_mixed_precision_distributed import microbatch_reference
-from tests.test_crossing import _Blocks, _mse
+from tests.test_crossing import _Blocks, _mse, casts
 
 pytestmark = pytest.mark.distributed
 
@@ -29,11 +29,10 @@ def cast_job(rank: int, world: int) -> bytes:
         want = dict(microbatch_reference(plain, (x,), y, _mse, pm.plan, torch.bfloat16).named_parameters())
         for name, p in pm.named_parameters():
             torch.testing.assert_close(p.grad, want[name].grad, rtol=2e-3, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        report[schedule] = sorted({b.dtype for s in pm.plan.stages for b in s.outputs})
+        report[schedule] = sum(casts(s.module) for s in pm.stages)  # this rank's stages' casts
     return _portable(report)
 
 
 def test_cast_values_cross_processes_with_the_plain_gradients() -> None:
     reports = _run(cast_job, 2)
-    assert all(r["1f1b"] == ["bfloat16"] for r in reports), reports
-    assert all("bfloat16" in r["zb-v"] for r in reports), reports
+    assert sum(r["1f1b"] for r in reports) >= 1 and sum(r["zb-v"] for r in reports) >= 1, reports
