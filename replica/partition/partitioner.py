@@ -218,7 +218,27 @@ def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[s
     extra = act.extra if isinstance(k, int) and not isinstance(k, bool) else act.peak
     # a split backward holds each deferred linear's input and output gradient from B to W
     held = int(cm.scaled(weight_grad_bytes(members, graph, act.inside))) if deferring else 0
-    return int(cm.scaled(act.kept)) + copies, int(cm.scaled(extra)) + rebuilt, act.again, held
+    return int(cm.scaled(act.kept + _cast_outputs(graph, members, act))) + copies, int(cm.scaled(extra)) + rebuilt, \
+        act.again, held
+
+
+def _cast_outputs(graph: Graph, members: Sequence[Node], act: Any) -> int:
+    """What ``act`` over-counts of the fp32 values every reader casts under autocast (a norm's
+    output read by linears, :mod:`replica.partition.crossing`): autograd keeps each reader's
+    cast copy on the stage, and of one that leaves the stage the cast that crosses the cut, not
+    the fp32 value. Bytes to add (<= 0)."""
+    names = {n.name for n in members}
+    change = 0
+    assert act.by_node is not None
+    for n in members:
+        if n.name not in act.by_node or not n.users:
+            continue
+        readers = [graph[u] for u in n.users]
+        cast = crossing_bytes(n, readers)
+        if cast < n.output_bytes:
+            copies = sum(u in names for u in n.users) + any(u not in names for u in n.users)
+            change += min(cast * copies, act.by_node[n.name]) - act.by_node[n.name]
+    return change
 
 
 def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
