@@ -97,9 +97,12 @@ def mix_recompute(plan: Plan, layout: Layout, schedule: Schedule, *,
         return []
     mixes = [assemble()]
     try:  # cut again for these modes: the stages that rerun less may take more ops
-        mixes.append(price(modes, None))
+        recut = price(modes, None)
     except PartitionError:
-        pass
+        return mixes
+    # a stage cut again may hold fewer blocks than its k: that cut means another mode than chosen
+    if all(not isinstance(x, int) or isinstance(x, bool) or x < len(s.blocks) for x, s in zip(modes, recut.stages)):
+        mixes.append(recut)
     return mixes
 
 
