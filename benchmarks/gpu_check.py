@@ -301,6 +301,17 @@ def markdown(result: dict) -> str:
     return "\n".join(out)
 
 
+def _mode(text: str):
+    """A recompute mode as typed on the command line: False, True, an int k, or a name."""
+    if text in ("False", "True"):
+        return text == "True"
+    if text.isdigit():
+        return int(text)
+    if text not in [m for m in RECOMPUTE if isinstance(m, str)]:
+        raise SystemExit(f"unknown recompute mode {text!r}; pick from {', '.join(map(str, RECOMPUTE))}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -312,6 +323,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="skip torch.compile of the plain model (default: on CUDA, for the last size, at the end)")
     parser.add_argument("--preset", default=None,
                         help="also price each layout analytically on this preset (default: the GPU's own)")
+    parser.add_argument("--recompute", default=None,
+                        help=f"comma-separated recompute modes (default: all of {', '.join(map(str, RECOMPUTE))})")
+    parser.add_argument("--precisions", default=None,
+                        help=f"comma-separated, of {', '.join(PRECISIONS)} (default: both)")
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--markdown", default=None, help="write the RESULTS table here")
     args = parser.parse_args(argv)
@@ -325,8 +340,13 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise SystemExit(f"unknown sizes {unknown}; pick from {sorted(SIZES)}")
+    recompute = RECOMPUTE if args.recompute is None else tuple(_mode(m) for m in args.recompute.split(","))
+    precisions = PRECISIONS if args.precisions is None else tuple(args.precisions.split(","))
+    if set(precisions) - set(PRECISIONS):
+        raise SystemExit(f"unknown precisions {sorted(set(precisions) - set(PRECISIONS))}; pick from {PRECISIONS}")
     compiled = device.type == "cuda" and not args.no_compile_reference
-    result = run(device, sizes, args.steps, args.budget_s, compiled, preset=args.preset, out=args.out)
+    result = run(device, sizes, args.steps, args.budget_s, compiled, preset=args.preset, recompute=recompute,
+                 precisions=precisions, out=args.out)
     table = markdown(result)
     print(table)
     if args.out:

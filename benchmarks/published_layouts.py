@@ -181,11 +181,12 @@ def llama3(flavour: str) -> torch.nn.Module:
 
 
 def price_titan(run: Titan, model: torch.nn.Module, device: replica.DeviceSpec | str = "h100-80gb",
-                free: bool = False, same_terms: bool = False) -> replica.Plan:
+                free: bool = False, same_terms: bool = False, **options: object) -> replica.Plan:
     """``run``'s published layout on ``device`` (FSDP2 zero3 over its data-parallel ranks, its TP
     with sequence parallelism as torchtitan runs it, and PP, full recompute, no memory budget),
     or with ``free`` the tuner's own choice for the same world and global batch within the
-    preset's memory (``same_terms``: as the forced rows are priced, recompute and no memory budget)."""
+    preset's memory (``same_terms``: as the forced rows are priced, recompute and no memory budget).
+    ``options``: more planning keywords for the forced layout (``compile=``, ``float8=``)."""
     tokens = torch.empty(run.global_batch, TITAN_SEQ, dtype=torch.long, device="meta")
     if free:
         terms: dict = dict(recompute=True, memory_budget=float("inf")) if same_terms else {}
@@ -196,7 +197,7 @@ def price_titan(run: Titan, model: torch.nn.Module, device: replica.DeviceSpec |
                         num_microbatches=run.microbatches, schedule=run.schedule, tensor_parallel_size=run.tp,
                         data_parallel_size=run.dp, device=device, mixed_precision="bf16",
                         sharded_data_parallel="zero3", recompute=True, cost="analytic", memory_budget=float("inf"),
-                        sequence_parallel=run.tp > 1)
+                        sequence_parallel=run.tp > 1, **options)
 
 
 def tokens_per_gpu(run: Titan, plan: replica.Plan) -> float:

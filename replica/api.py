@@ -87,8 +87,8 @@ def _planned(given: Plan, name: str) -> Any:
         "num_stages": given.num_stages, "num_microbatches": given.num_microbatches, "schedule": given.schedule,
         "data_parallel_size": given.data_parallel_size, "tensor_parallel_size": layout.tensor_parallel_size,
         "sharded_data_parallel": layout.sharding, "shard_group_size": layout.dp_shard,
-        "sequence_parallel": layout.sequence_parallel,
-        "mixed_precision": given.precision,
+        "sequence_parallel": layout.sequence_parallel, "expert_parallel_size": layout.expert_parallel_size,
+        "mixed_precision": given.precision, "compile": given.compile, "float8": given.float8,
         "recompute": "pointwise" if given.pointwise_recompute else given.recompute,
     }.get(name)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import random
 import socket
 import traceback
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,13 +22,37 @@ __all__ = ["run_local", "free_port"]
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free on 127.0.0.1 now, for a launcher to listen on (torchrun's ``--master-port``).
+
+    Picked below the kernel's ephemeral range (``ip_local_port_range``), where the kernel never
+    hands ports out itself: the many connections other jobs open (gloo's, a test's) cannot take it
+    between now and the launcher's bind, as they could take a port the kernel picked."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default range starts here
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # that range is full: any the kernel picks
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: int, keep_freed_memory: bool,
-            fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+            environ: dict[str, str], cwd: str, gpus: tuple[int, ...] | None, fn: Callable[..., Any],
+            args: tuple[Any, ...], results: Any) -> None:
+    # forked from the fork server, which has the environment and directory of the run that started it:
+    # take the caller's, as a spawned process would
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)  # this fresh process's own settings: the caller's are untouched
@@ -36,7 +62,10 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: in
         timeout = datetime.timedelta(seconds=timeout_s)
         # a client of the store the parent listens on: no rank binds a port, so none can find it taken
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        if gpus is not None:  # this rank's GPU, current before NCCL starts
+            torch.cuda.set_device(gpus[rank])
+        dist.init_process_group("gloo" if gpus is None else "nccl", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
         dist.barrier()  # every rank connected before any may leave
         try:
             # pickled here: a tensor put on the queue would be shared through this process,
@@ -48,6 +77,34 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: in
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+def _context(gpus: tuple[int, ...] | None) -> Any:
+    """CPU ranks: fresh processes forked from one fork server that has imported torch and Replica (and
+    the caller's main script, as spawning would): each rank starts in milliseconds instead of importing
+    both again (about 3 CPU-seconds a rank, most of a small test's cost). The server forks before
+    any thread or process group exists, so the fork is as clean as a spawn. GPU ranks are spawned:
+    CUDA does not survive a fork of a process that touched it (the caller's script may have)."""
+    if gpus is not None:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "torch", "replica"])
+    return ctx
+
+
+def _check_gpus(gpus: Sequence[int] | None, world_size: int) -> tuple[int, ...] | None:
+    if gpus is None:
+        return None
+    gpus = tuple(gpus)
+    if len(gpus) != world_size or len(set(gpus)) != len(gpus) \
+            or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+        raise ConfigError(f"run_local(gpus={list(gpus)}) must name {world_size} different GPU indices, one a rank "
+                          f"(world_size={world_size})")
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if max(gpus) >= have:
+        raise ConfigError(f"run_local(gpus={list(gpus)}) names GPU {max(gpus)}, but this machine has {have} CUDA "
+                          f"device(s){'' if have else ' (no CUDA: leave gpus=None for CPU ranks on gloo)'}")
+    return gpus
+
+
 def run_local(
     fn: Callable[..., Any],
     world_size: int,
@@ -57,8 +114,9 @@ def run_local(
     allow_dead: bool = False,
     keep_freed_memory: bool = False,
     grace_s: float = 60.0,
+    gpus: Sequence[int] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (spawned, gloo
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (forked from a fork server, gloo
     on 127.0.0.1, ``threads_per_rank`` torch threads each) and return each rank's result.
 
     ``fn`` and its results must be picklable (a module-level function). A rank that
@@ -67,11 +125,13 @@ def run_local(
     ``timeout_s`` is killed: a hang, not only a stuck collective). With ``allow_dead`` a rank that died
     without a report (killed on purpose by a test) reads as ``None`` instead. With
     ``keep_freed_memory`` each rank first calls :func:`replica.keep_freed_memory` (glibc keeps
-    freed memory for the next micro-batch; what the benchmarks measure with).
+    freed memory for the next micro-batch; what the benchmarks measure with). ``gpus``: rank r runs on
+    GPU ``gpus[r]`` (current device) and the group is NCCL's; None: CPU ranks on gloo.
     """
     if not isinstance(keep_freed_memory, bool):
         raise ConfigError(f"run_local(keep_freed_memory=...) must be True or False, got {keep_freed_memory!r}")
-    ctx = mp.get_context("spawn")
+    gpus = _check_gpus(gpus, world_size)
+    ctx = _context(gpus)
     results = ctx.Queue()
     # The parent holds the rendezvous store, listening on a port the OS picked, until every rank is done.
     # A port picked free and bound later by rank 0 could be taken in between by another run's ranks
@@ -79,7 +139,7 @@ def run_local(
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
                            wait_for_workers=False)
     port = int(server.port)
-    settings = (timeout_s, threads_per_rank, keep_freed_memory)
+    settings = (timeout_s, threads_per_rank, keep_freed_memory, dict(os.environ), os.getcwd(), gpus)
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, *settings, fn, args, results), daemon=True)
              for r in range(world_size)]
     for p in procs:

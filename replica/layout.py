@@ -127,6 +127,10 @@ class Layout:
     # dropouts and residual adds hold 1 / tensor_parallel_size of the tokens (a block's entry
     # all-gathers them, its exit reduce-scatters). Only with tensor_parallel_size > 1.
     sequence_parallel: bool = False
+    # expert parallelism: each MoE layer's experts spread over groups of this many data-parallel
+    # replicas of a stage (carved out of them, as torchtitan does), tokens sent to their experts'
+    # ranks and back by all-to-all (replica.parallel.experts). Divides data_parallel_size.
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         kind = schedule_kind(self.schedule)
@@ -164,6 +168,13 @@ class Layout:
                 "sequence_parallel=True shards the tokens between tensor-parallel blocks across each stage's "
                 "tensor-parallel ranks, but this layout has tensor_parallel_size=1; use tensor_parallel_size > 1 "
                 "(a divisor of the world size), or sequence_parallel=False")
+        _positive("expert_parallel_size", self.expert_parallel_size)
+        e, d = self.expert_parallel_size, self.data_parallel_size
+        if d % e:
+            raise ConfigError(
+                f"expert_parallel_size={e} does not divide the {d} data-parallel replicas: the experts are spread "
+                f"over groups of {e} replicas of each stage. Use expert_parallel_size in "
+                f"{[k for k in range(1, d + 1) if d % k == 0]}, or a layout with a multiple of {e} replicas")
         kind.check_stages(self.num_stages, self.pipeline_ranks)
 
     @property
@@ -206,6 +217,7 @@ class Layout:
                 + (f" ({self.sharding} sharded{hsdp})" if self.sharded else "")
                 + (f" x {self.tensor_parallel_size} tensor" if self.tensor_parallel_size > 1 else "")
                 + (" (sequence parallel)" if self.sequence_parallel else "")
+                + (f", experts over {self.expert_parallel_size} replicas" if self.expert_parallel_size > 1 else "")
                 + f", {self.num_stages} stage{'s' if self.num_stages != 1 else ''}, {self.schedule}")
 
     # --- ranks -------------------------------------------------------------------------

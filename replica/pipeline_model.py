@@ -92,8 +92,8 @@ class PipelineModel:
             # made before any stage is cut: it runs the plain graph on fake copies
             oracle = ShapeOracle(traced.module, plan.stages, device, traced.out_spec,
                                  param_dtype=autocast_dtype(self.precision) if sharded else None)
-        # the one ordered step: TP -> stage rewrites -> (activation checkpointing, compile) -> FSDP2
-        flags = parallelize(self.all_stages, plan, self.schedule, mesh, canonical=self._canonical)
+        # the one ordered step: experts -> TP -> stage rewrites -> (activation checkpointing, compile) -> FSDP2
+        flags = parallelize(self.all_stages, plan, self.schedule, mesh, canonical=self._canonical, model=model)
         self.mesh = mesh
         self.runtime: LocalRuntime | DistributedRuntime
         if mesh is not None:
@@ -377,6 +377,12 @@ class PipelineModel:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
+        for p in self.parameters():  # those only the stages hold (an expert-parallel shard)
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     def train(self, mode: bool = True) -> "PipelineModel":
         self.model.train(mode)

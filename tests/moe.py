@@ -97,12 +97,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``num_experts`` SwiGLU MLPs with stacked weights; ``run`` how they meet their tokens."""
+    """``num_experts`` SwiGLU MLPs with stacked weights, called as Hugging Face's experts are:
+    ``experts(tokens (N, dim), chosen (N, top_k), scores (N, top_k)) -> (N, dim)``, each token the
+    sum of its experts' outputs weighed by their scores; ``config.experts`` says how they run."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         e, d, h = config.num_experts, config.dim, config.hidden_dim
         self.num_experts = e
+        self.run = config.experts
         self.w1 = nn.Parameter(torch.randn(e, d, h) / d**0.5)  # gate projection
         self.w3 = nn.Parameter(torch.randn(e, d, h) / d**0.5)  # up projection
         self.w2 = nn.Parameter(torch.randn(e, h, d) / h**0.5)  # down projection
@@ -115,6 +118,29 @@ class Experts(nn.Module):
         """Every expert at once on ``x`` sorted by expert, expert ``e``'s rows ending at ``offsets[e]``."""
         h = F.silu(F.grouped_mm(x, self.w1, offs=offsets)) * F.grouped_mm(x, self.w3, offs=offsets)
         return F.grouped_mm(h, self.w2, offs=offsets)
+
+    def forward(self, tokens: Tensor, chosen: Tensor, scores: Tensor) -> Tensor:
+        if self.run == "loop":
+            return self._loop(tokens, chosen, scores)
+        return self._grouped(tokens, chosen, scores)
+
+    def _loop(self, tokens: Tensor, chosen: Tensor, scores: Tensor) -> Tensor:
+        out = torch.zeros_like(tokens)
+        for e in range(self.num_experts):
+            token, slot = torch.where(chosen == e)  # (n_e,) each: data-dependent n_e, maybe 0
+            y = self.expert(e, tokens[token]) * scores[token, slot].unsqueeze(-1)  # (n_e, D)
+            out = out.index_add(0, token, y)
+        return out
+
+    def _grouped(self, tokens: Tensor, chosen: Tensor, scores: Tensor) -> Tensor:
+        k, e = chosen.shape[-1], self.num_experts
+        flat = chosen.reshape(-1)  # (N * top_k,): slot n * top_k + j is token n's j-th expert
+        order = torch.argsort(flat, stable=True)  # slots sorted by expert
+        counts = torch.histc(flat.float(), bins=e, min=0, max=e)  # slots per expert, fixed size
+        offsets = torch.cumsum(counts, dim=0).to(torch.int32)  # where each expert's rows end
+        token = order // k  # (N * top_k,)
+        y = self.grouped(tokens[token], offsets) * scores.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add(0, token, y)
 
 
 class MoE(nn.Module):
@@ -130,29 +156,7 @@ class MoE(nn.Module):
         B, S, D = x.shape
         tokens = x.reshape(B * S, D)  # (N, D)
         scores, chosen = self.router(tokens)  # (N, top_k) each
-        if self.config.experts == "loop":
-            out = self._loop(tokens, scores, chosen)
-        else:
-            out = self._grouped(tokens, scores, chosen)
-        return out.reshape(B, S, D)
-
-    def _loop(self, tokens: Tensor, scores: Tensor, chosen: Tensor) -> Tensor:
-        out = torch.zeros_like(tokens)
-        for e in range(self.config.num_experts):
-            token, slot = torch.where(chosen == e)  # (n_e,) each: data-dependent n_e, maybe 0
-            y = self.experts.expert(e, tokens[token]) * scores[token, slot].unsqueeze(-1)  # (n_e, D)
-            out = out.index_add(0, token, y)
-        return out
-
-    def _grouped(self, tokens: Tensor, scores: Tensor, chosen: Tensor) -> Tensor:
-        k, e = self.config.top_k, self.config.num_experts
-        flat = chosen.reshape(-1)  # (N * top_k,): slot n * top_k + j is token n's j-th expert
-        order = torch.argsort(flat, stable=True)  # slots sorted by expert
-        counts = torch.histc(flat.float(), bins=e, min=0, max=e)  # slots per expert, fixed size
-        offsets = torch.cumsum(counts, dim=0).to(torch.int32)  # where each expert's rows end
-        token = order // k  # (N * top_k,)
-        y = self.experts.grouped(tokens[token], offsets) * scores.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(tokens).index_add(0, token, y)
+        return self.experts(tokens, chosen, scores).reshape(B, S, D)
 
 
 class Block(nn.Module):

@@ -8,13 +8,16 @@ from benchmarks import gpu_check
 
 
 def test_gpu_check_runs_tiny_on_cpu(tmp_path):
+    # two recompute modes of five: the row code is one for all, and each mode's gradients are the
+    # activation-checkpointing tests' (every mode x schedule); every mode ran 20 rows here, 36 s of CI
     out, table = tmp_path / "check.json", tmp_path / "check.md"
     result = gpu_check.main(["--device", "cpu", "--sizes", "tiny", "--steps", "1", "--preset", "h100-80gb",
-                             "--out", str(out), "--markdown", str(table)])
+                             "--recompute", "False,selective", "--out", str(out), "--markdown", str(table)])
     rows = result["rows"]
     assert [r for r in rows if "error" in r or "skipped" in r] == []
     replica_rows = [r for r in rows if r["what"].startswith("replica")]
-    wanted = len(gpu_check.PRECISIONS) * len(gpu_check.SCHEDULES) * len(gpu_check.RECOMPUTE)
+    assert {r["recompute"] for r in replica_rows} == {False, "selective"}
+    wanted = len(gpu_check.PRECISIONS) * len(gpu_check.SCHEDULES) * 2
     assert len(replica_rows) == wanted
     for r in replica_rows:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["analytic_s"] > 0 and r["predicted_bytes"] > 0
@@ -28,3 +31,5 @@ def test_gpu_check_refuses_an_unknown_size():
 
     with pytest.raises(SystemExit, match="unknown sizes"):
         gpu_check.main(["--device", "cpu", "--sizes", "huge"])
+    with pytest.raises(SystemExit, match="unknown recompute mode"):
+        gpu_check.main(["--device", "cpu", "--recompute", "half"])

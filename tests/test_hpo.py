@@ -204,3 +204,77 @@ def test_the_cifar10_example_searches_and_writes_its_page(tmp_path: Path) -> Non
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trial 0:" in done.stdout and page.exists()
+
+
+def test_gpu_trials_take_their_own_group_of_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine with 4 GPUs (faked here: the ranks are not started), 2 workers x 2 ranks: each
+    running trial holds its own 2 GPUs, no GPU is in two trials at once, and the model goes to
+    ``"cuda"`` (the rank's current GPU); a setup that puts it on the CPU is refused."""
+    import importlib
+    import threading
+
+    from replica.launch import run_local
+
+    search_module = importlib.import_module("replica.hpo.search")  # the module: replica.hpo.search is the function
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(search_module, "make_plan", lambda *a, **k: replica_plan_on_cpu(*a, **k))
+    held: set[int] = set()
+    seen: list[tuple[tuple[int, ...], str]] = []
+    lock = threading.Lock()
+
+    def fake_run_local(fn, world, setup, *args, gpus=None, **kwargs):  # noqa: ANN001
+        with lock:
+            assert gpus is not None and len(gpus) == world == 2 and not held & set(gpus), (gpus, held)
+            held.update(gpus)
+            seen.append((gpus, setup.config.device))
+        time.sleep(0.05)  # side by side with the other worker's trial
+        with lock:
+            held.difference_update(gpus)
+        return [{"values": [1.0], "pruned": False, "seconds": 0.0, "layout": {}}] * world
+
+    monkeypatch.setattr(search_module, "run_local", fake_run_local)
+    space = {**SPACE, "crash": [False], "num_stages": [1]}
+    study = search(build, space, n_trials=6, workers=2, ranks_per_trial=2)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 6
+    assert {g for g, _ in seen} == {(0, 1), (2, 3)} and {d for _, d in seen} == {"cuda"}, seen
+    assert {tuple(t.user_attrs["gpus"]) for t in study.trials} == {(0, 1), (2, 3)}
+
+    with pytest.raises(ConfigError, match=r"workers=3 x ranks_per_trial=2 = 6 GPUs.*4.*use workers <= 2"):
+        search(build, space, n_trials=1, workers=3, ranks_per_trial=2)
+    with pytest.raises(ConfigError, match=r"ranks_per_trial=3 is more than the 2 GPUs.*\[1, 3\]"):
+        search(build, space, n_trials=1, ranks_per_trial=3, devices=[1, 3])
+    with pytest.raises(ConfigError, match=r"names GPU 7, but this machine has 4 CUDA"):
+        search(build, space, n_trials=1, devices=[0, 7])
+    with pytest.raises(ConfigError, match=r"devices must be 'auto', 'cpu' or a list"):
+        search(build, space, n_trials=1, devices="gpu")
+    with pytest.raises(ConfigError, match=r"world_size=8 is more than the 4 GPUs"):
+        search(build, space, n_trials=1, world_size=8)
+
+    def on_cpu(trial: optuna.Trial) -> TrialSetup:
+        return build(trial).with_config(device="cpu")
+
+    failed = search(on_cpu, space, n_trials=1)
+    assert "device='cpu'" in failed.trials[0].user_attrs["error"] and "devices='cpu'" in \
+        failed.trials[0].user_attrs["error"]
+    with pytest.raises(ConfigError, match=r"run_local\(gpus=\[0\]\) must name 2 different GPU indices"):
+        run_local(print, 2, gpus=[0])
+
+
+def replica_plan_on_cpu(*args, **kwargs):  # noqa: ANN002, ANN003
+    """The trial's plan as the CPU prices it: "cuda" names no preset where CUDA is faked."""
+    from replica.api import plan
+
+    return plan(*args, **{**kwargs, "device": None})
+
+
+def test_gpu_trials_need_gpus() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from replica.launch import run_local
+
+    with pytest.raises(ConfigError, match=r"names GPU 0, but this machine has 0 CUDA device\(s\): pass devices='cpu'"):
+        search(build, SPACE, n_trials=1, devices=[0])
+    with pytest.raises(ConfigError, match=r"run_local\(gpus=\[0\]\) names GPU 0.*no CUDA: leave gpus=None"):
+        run_local(print, 1, gpus=[0])

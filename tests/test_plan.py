@@ -59,7 +59,7 @@ def test_json_has_a_format(plan):
     assert data["format"] == 2
     assert data["layout"] == {"schedule": "1f1b", "num_stages": 3, "pipeline_ranks": 3, "data_parallel_size": 1,
                               "tensor_parallel_size": 1, "sharding": "none", "shard_group_size": None,
-                              "sequence_parallel": False}
+                              "sequence_parallel": False, "expert_parallel_size": 1}
 
 
 def test_a_plan_of_format_1_loads_with_its_layout(plan):

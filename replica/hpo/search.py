@@ -4,7 +4,7 @@ Each trial: ``build(trial)`` (under the search's seed) gives a :class:`TrialSetu
 planner lays it out on ``ranks_per_trial`` ranks within ``config.memory_budget``: a setup
 that cannot fit is pruned before it trains, the planner's reason in the trial's
 ``pruned_reason`` user attribute, and a plan's predicted step time is recorded. Then
-``ranks_per_trial`` fresh processes (gloo on 127.0.0.1) train it through the Trainer, and
+``ranks_per_trial`` fresh processes (gloo on 127.0.0.1; NCCL on a group of GPUs) train it through the Trainer, and
 after every epoch the objective is reported to Optuna, whose pruner may stop the trial.
 ``workers`` trials run at a time (Optuna's threads, each waiting on its own ranks). A
 trial that crashes or outlives ``trial_timeout_s`` fails with its error (user attribute
@@ -78,15 +78,52 @@ def open_storage(storage: Any, heartbeat_s: int = 10) -> BaseStorage | None:
                       f"optuna storage, got {storage!r}")
 
 
+def trial_gpus(devices: Any) -> tuple[int, ...] | None:
+    """The GPUs trials run on: ``"auto"`` every GPU of this machine (None where it has no CUDA: CPU
+    ranks), ``"cpu"`` None, a list of GPU indices those."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices == "auto":
+        return tuple(range(have)) or None
+    if devices == "cpu":
+        return None
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple, range)) or not devices \
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices) \
+            or len(set(devices)) != len(devices):
+        raise ConfigError(f"devices must be 'auto', 'cpu' or a list of different GPU indices, got {devices!r}")
+    if max(devices) >= have:
+        hint = "" if have else ": pass devices='cpu' (or leave it 'auto') for CPU trials"
+        raise ConfigError(f"devices={list(devices)} names GPU {max(devices)}, but this machine has {have} CUDA "
+                          f"device(s){hint}")
+    return tuple(devices)
+
+
+def gpu_groups(gpus: tuple[int, ...], ranks_per_trial: int, workers: int) -> list[tuple[int, ...]]:
+    """The GPUs split into ``workers`` groups of ``ranks_per_trial``, one a running trial, in order."""
+    if workers * ranks_per_trial > len(gpus):
+        raise ConfigError(f"workers={workers} x ranks_per_trial={ranks_per_trial} = {workers * ranks_per_trial} GPUs "
+                          f"at once, but the trials have {len(gpus)} ({list(gpus)}): use workers <= "
+                          f"{len(gpus) // ranks_per_trial}" if ranks_per_trial <= len(gpus) else
+                          f"ranks_per_trial={ranks_per_trial} is more than the {len(gpus)} GPUs the trials have "
+                          f"({list(gpus)}): use ranks_per_trial <= {len(gpus)}, or more devices")
+    return [gpus[i * ranks_per_trial:(i + 1) * ranks_per_trial] for i in range(workers)]
+
+
 def _check(build: Any, n_trials: Any, workers: Any, ranks_per_trial: Any, world_size: int | None,
-           objective: Any, trial_timeout_s: Any, seed: Any) -> int:
+           objective: Any, trial_timeout_s: Any, seed: Any, gpus: tuple[int, ...] | None = None) -> int:
     if not callable(build):
         raise ConfigError(f"build must be callable(trial) -> replica.hpo.TrialSetup, got {type(build).__name__}")
     _count("n_trials", n_trials)
     _count("workers", workers)
     _count("ranks_per_trial", ranks_per_trial)
-    world = (os.cpu_count() or 1) if world_size is None else _count("world_size", world_size)
-    said = f"world_size={world}" + (" (this machine's CPU cores)" if world_size is None else "")
+    if gpus is not None:  # the GPUs bound the ranks at once
+        gpu_groups(gpus, ranks_per_trial, workers)
+        if world_size is not None and _count("world_size", world_size) > len(gpus):
+            raise ConfigError(f"world_size={world_size} is more than the {len(gpus)} GPUs the trials run on "
+                              f"({list(gpus)}): leave world_size out with GPU trials, or pass devices='cpu'")
+    world = (len(gpus) if gpus is not None else (os.cpu_count() or 1)) if world_size is None \
+        else _count("world_size", world_size)
+    said = f"world_size={world}" + ("" if world_size is not None else " (the trials' GPUs)" if gpus is not None
+                                    else " (this machine's CPU cores)")
     if ranks_per_trial > world:
         raise ConfigError(f"ranks_per_trial={ranks_per_trial} is more than the {said} ranks this machine runs: use "
                           f"ranks_per_trial <= {world}, or pass world_size= if it runs more")
@@ -126,6 +163,7 @@ def search(
     world_size: int | None = None,
     trial_timeout_s: float = 600.0,
     report: str | os.PathLike[str] | None = None,
+    devices: Any = "auto",
 ) -> optuna.Study:
     """Run an Optuna study of ``n_trials`` trials in all (those ``storage`` already holds count),
     ``workers`` at a time, each on ``ranks_per_trial`` ranks, and return it.
@@ -142,8 +180,15 @@ def search(
     machine runs at once (default: its CPU cores). Each trial starts fresh processes (a few
     seconds of imports on a CPU core): give trials more training than that.
     ``report``: write the study's HTML page there at the end (:func:`replica.hpo.write_report`).
+    ``devices``: ``"auto"`` (every GPU of this machine where it has CUDA, else CPU ranks), ``"cpu"``,
+    or a list of GPU indices: each running trial takes its own ``ranks_per_trial`` of them (NCCL,
+    rank r on the group's r-th GPU, the model on it: a config without a ``device`` gets ``"cuda"``).
     """
-    _check(build, n_trials, workers, ranks_per_trial, world_size, objective, trial_timeout_s, seed)
+    gpus = trial_gpus(devices)
+    _check(build, n_trials, workers, ranks_per_trial, world_size, objective, trial_timeout_s, seed, gpus)
+    free: queue.Queue[tuple[int, ...] | None] = queue.Queue()  # the GPU groups no trial holds (CPU: None)
+    for group in (gpu_groups(gpus, ranks_per_trial, workers) if gpus is not None else [None] * workers):
+        free.put(group)
     distributions = as_space(space)
     if direction is None:
         direction = "maximize" if objective == "accuracy" else "minimize"
@@ -154,12 +199,18 @@ def search(
 
     def run(trial: optuna.Trial) -> float:
         with lock:
-            setup, planned = _prepare(trial, build, distributions, ranks_per_trial, seed)
+            setup, planned = _prepare(trial, build, distributions, ranks_per_trial, seed, gpus is not None)
         trial.set_user_attr("ranks", ranks_per_trial)
         trial.set_user_attr("predicted_step_time_s", planned.predicted_step_time_s)
         trial.set_user_attr("predicted_memory_bytes", max(s.predicted_memory_bytes for s in planned.stages))
         trial.set_user_attr("planned_layout", layout_of(planned))
-        return _train(trial, setup, ranks_per_trial, seed, objective, trial_timeout_s)
+        group = free.get()
+        try:
+            if group is not None:
+                trial.set_user_attr("gpus", list(group))
+            return _train(trial, setup, ranks_per_trial, seed, objective, trial_timeout_s, group)
+        finally:
+            free.put(group)
 
     left = n_trials - len(study.get_trials(deepcopy=False, states=FINISHED))
     if left > 0:
@@ -176,9 +227,10 @@ def _fail(trial: optuna.Trial, error: str) -> _TrialFailed:
 
 
 def _prepare(trial: optuna.Trial, build: Callable[[Any], TrialSetup], space: Mapping[str, Any] | None,
-             ranks: int, seed: int) -> tuple[TrialSetup, Any]:
+             ranks: int, seed: int, on_gpus: bool = False) -> tuple[TrialSetup, Any]:
     """Sample, build (under ``seed``, the caller's RNG untouched) and plan one trial; a setup
-    that cannot fit its memory budget is pruned with the planner's reason."""
+    that cannot fit its memory budget is pruned with the planner's reason. ``on_gpus``: the trial
+    trains on GPUs, its model on the rank's current one (a config without a device gets ``"cuda"``)."""
     if space is not None:
         suggest(trial, space)
     reading = Reading(trial)
@@ -192,6 +244,8 @@ def _prepare(trial: optuna.Trial, build: Callable[[Any], TrialSetup], space: Map
         check_read(space, reading.read)  # a typo in the space stops the study: every trial would carry it
     try:
         setup = setup.with_config(**config_params(trial.params))
+        if on_gpus:
+            setup = _on_gpu(setup)
         args, kwargs = first_batch(setup)
         planned = make_plan(setup.model, args, example_kwargs=kwargs, world_size=ranks if ranks > 1 else None,
                             **setup.config.planning())
@@ -203,8 +257,19 @@ def _prepare(trial: optuna.Trial, build: Callable[[Any], TrialSetup], space: Map
     return setup, planned
 
 
+def _on_gpu(setup: TrialSetup) -> TrialSetup:
+    if setup.config.device is None:
+        return setup.with_config(device="cuda")
+    device = setup.config.model_device
+    if device is None or device.type != "cuda":  # the CPU, or a cost preset (the model would stay on the CPU)
+        raise ConfigError(f"the trials run on GPUs (search(devices=...)) but the setup's config has "
+                          f"device={setup.config.device!r}, which leaves the model off the GPU: leave config.device "
+                          "out (or 'cuda'), or pass devices='cpu' to search")
+    return setup
+
+
 def _train(trial: optuna.Trial, setup: TrialSetup, ranks: int, seed: int, objective: Objective,
-           timeout_s: float) -> float:
+           timeout_s: float, gpus: tuple[int, ...] | None = None) -> float:
     """Train ``setup`` on ``ranks`` fresh processes, reporting each epoch's value to Optuna and
     answering whether to go on; the last epoch's value is the trial's."""
     ctx = mp.get_context("spawn")
@@ -212,7 +277,7 @@ def _train(trial: optuna.Trial, setup: TrialSetup, ranks: int, seed: int, object
     start = time.perf_counter()
     with ThreadPoolExecutor(1) as pool:
         done = pool.submit(run_local, train_trial, ranks, setup, seed, objective, progress, verdicts, timeout_s,
-                           timeout_s=timeout_s, grace_s=_GRACE_S)
+                           timeout_s=timeout_s, grace_s=_GRACE_S, gpus=gpus)
         while True:
             try:
                 epoch, value = progress.get(timeout=0.2)

@@ -107,12 +107,13 @@ def _parameters_at(module: torch.nn.Module, path: str) -> list[torch.Tensor]:
 
 
 def shard_stage(module: fx.GraphModule, mesh: Any, *, reshard_after_forward: bool = True,
-                gather_dtype: torch.dtype | None = None) -> int:
+                gather_dtype: torch.dtype | None = None, ignored: "set[torch.nn.Parameter] | None" = None) -> int:
     """Shard ``module``'s parameters over ``mesh`` (the stage's data-parallel group): one FSDP
     unit per block, then the root. ``gather_dtype`` (the run's autocast dtype under mixed
     precision): weights are gathered and computed in it, gradients reduced in fp32 (FSDP's
     ``MixedPrecisionPolicy``), as the planner prices it: half the bytes of each gather, and no
-    autocast copy of the weights. Returns how many units."""
+    autocast copy of the weights. ``ignored``: parameters FSDP leaves as they are (expert-parallel
+    shards, whose gradients :mod:`replica.parallel.experts` reduces). Returns how many units."""
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6
@@ -126,6 +127,8 @@ def shard_stage(module: fx.GraphModule, mesh: Any, *, reshard_after_forward: boo
     policy = MixedPrecisionPolicy() if gather_dtype is None else \
         MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=torch.float32)
     extra = {"shard_placement_fn": _shard_placement} if _takes_placement_fn(fully_shard) else {}
+    if ignored:
+        extra["ignored_params"] = set(ignored)
     for paths in groups.values():
         fully_shard([module.get_submodule(p) for p in paths], mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=policy, **extra)

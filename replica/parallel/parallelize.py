@@ -1,19 +1,25 @@
-"""The one ordered step that wraps a rank's stages: tensor parallelism, stage rewrites, checkpointing, then FSDP2.
+"""The one ordered step that wraps a rank's stages: experts, TP, stage rewrites, checkpointing, compile, FSDP2.
 
 torchtitan applies its parallelisms to a model in one explicit order; Replica does the same to
 each stage this process runs, after the pipeline split:
 
+0. **expert parallelism** (:mod:`replica.parallel.experts`): each MoE layer's experts spread
+   over an expert group of replicas, tokens dispatched to them and back by all-to-all;
 1. **tensor parallelism** (:mod:`replica.parallel.tensor_parallel`): the plan's blocks cut over
    the mesh's ``tp`` slice, parameters becoming DTensor shards;
-2. **stage rewrites** (:mod:`replica.stage`): linears that defer their weight gradients (for a
-   schedule's W actions, or to send input gradients first), norms whose outputs can be rebuilt;
+2. **stage rewrites** (:mod:`replica.stage`): float8 linears where the plan asks
+   (:mod:`replica.parallel.float8`), linears that defer their weight gradients (for a schedule's W
+   actions, or to send input gradients first), norms whose outputs can be rebuilt;
 3. **activation checkpointing** (:mod:`replica.stage.checkpoint`): each stage's blocks, as its
    plan says (every block, the first k, or selective); a stage without blocks whose plan
    checkpoints it runs whole under ``torch.utils.checkpoint`` in the runtime (``whole_stage``);
-   **compilation** plugs in after it (its issue);
-4. **data parallelism**: FSDP2 (``fully_shard`` per block, then the stage) over the mesh's
+4. **compilation** (:mod:`replica.parallel.compile`, where the plan compiles): each stage's graph
+   through ``torch.compile``, its checkpointed blocks compiled inside their checkpoint, FSDP2's
+   root unit outside (a stage holding tensor-parallel blocks stays eager, said in the summary);
+5. **data parallelism**: FSDP2 (``fully_shard`` per block, then the stage) over the mesh's
    ``dp_shard`` slice, or ``(dp_replicate, dp_shard)`` under HSDP, for sharded replicas; whole
-   replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`).
+   replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`); FSDP2
+   leaves the experts' shards alone (their gradients are reduced by expert parallelism).
 
 It also decides, once, what the runtimes read about the stages (:class:`StageFlags`): whether a
 backward sends its input gradient before computing its weight gradients, which stages defer
@@ -22,12 +28,15 @@ their linears' weight gradients, and whether the stage modules are FSDP2 roots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
+from replica.parallel.compile import compile_stage, runs_eagerly
+from replica.parallel.experts import ExpertGroups, expert_groups, expert_parameters, place_experts
+from replica.parallel.float8 import float8_stage
 from replica.parallel.fsdp import shard_stage
 from replica.parallel.mesh import ParallelMesh
 from replica.parallel.tensor_parallel import shard_stage_tensors
@@ -60,6 +69,7 @@ class StageFlags:
     early_input_grads: bool
     deferring: frozenset[int]
     whole_stage: dict[int, str] = field(default_factory=dict)
+    experts: ExpertGroups | None = None  # expert parallelism's groups, where the plan spreads experts
 
 
 def sending_input_grads(stages: Sequence[StageModule], place: dict[int, int]) -> set[int]:
@@ -114,13 +124,18 @@ def checkpointed_blocks(plan: Plan, stage_index: int) -> tuple[str, ...]:
 
 
 def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, mesh: ParallelMesh | None, *,
-                canonical: dict[str, str]) -> StageFlags:
+                canonical: dict[str, str], model: torch.nn.Module | None = None) -> StageFlags:
     """Wrap the stages this process runs, in place, in the module's order (see its docstring).
     ``mesh`` None: one process, every stage here, nothing cut or sharded. ``canonical``: a tied
-    weight's aliases to its first name. Returns the :class:`StageFlags` the runtimes read."""
+    weight's aliases to its first name. ``model``: the user's, whose experts modules expert
+    parallelism calls. Returns the :class:`StageFlags` the runtimes read."""
     flags = stage_flags(stages, plan, schedule, mesh is not None)
     place = placement(schedule)
     mine = [s for s in stages if mesh is None or place[s.stage_index] == mesh.pipeline_rank]
+    # 0. expert parallelism: each MoE layer's experts spread over an expert group of replicas
+    if mesh is not None and plan.layout.expert_parallel_size > 1 and plan.experts and model is not None:
+        flags = replace(flags, experts=expert_groups(mesh, plan.layout.expert_parallel_size, mesh.mesh.device_type))
+        place_experts(mine, plan.experts, model, flags.experts)
     # 1. tensor parallelism: one dict for every stage of this rank, so that a weight two of
     # them read (a tied embedding and head) stays one parameter
     if mesh is not None and plan.layout.tensor_parallel_size > 1 and plan.tensor_parallel:
@@ -128,7 +143,10 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
         for stage in mine:
             shard_stage_tensors(stage.module, plan.tensor_parallel, mesh.tensor_parallel_mesh, canonical, made,
                                 fsdp_next=flags.sharded, sequence=plan.sequence_shards)
-    # 2. stage rewrites: every stage of the split (one process runs all of them)
+    # 2. stage rewrites: float8 linears (before any rewrite or region refers to the modules), then
+    # every stage of the split (one process runs all of them)
+    for stage in mine if plan.float8 else ():
+        float8_stage(stage.module)
     for stage in stages:
         if stage.stage_index in flags.deferring:
             # a checkpointed block's linears compute their weight gradients in B: deferred to W,
@@ -136,14 +154,17 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
             defer_linear_weight_grads(stage.module, skip=in_blocks(checkpointed_blocks(plan, stage.stage_index)))
         if plan.pointwise_recompute or plan.rebuilds:
             rebuildable_norms(stage.module)  # norms that note their eps, so that their outputs can be rebuilt
-    # 3. activation checkpointing: each stage's blocks, as its plan says (then compilation, its issue)
+    # 3. activation checkpointing: each stage's blocks, as its plan says
     for stage in mine:
         blocks = checkpointed_blocks(plan, stage.stage_index)
         if blocks:
             checkpoint_blocks(stage.module, blocks, selective=plan.stages[stage.stage_index].recompute == "selective")
-    # 4. sharded replicas: FSDP2 over the shard slice; their parameters become DTensor shards
+    # 4. compilation: each stage's graph (compiled at its first call), where the plan compiles it
+    for stage in (s for s in mine if not runs_eagerly(plan, s.stage_index)):
+        compile_stage(stage.module, deferring=stage.stage_index in flags.deferring)
+    # 5. sharded replicas: FSDP2 over the shard slice; their parameters become DTensor shards
     if mesh is not None and flags.sharded:
         for stage in sorted(mine, key=lambda s: s.stage_index):
             shard_stage(stage.module, mesh.sharding_mesh, reshard_after_forward=plan.layout.sharding == "zero3",
-                        gather_dtype=autocast_dtype(plan.precision))
+                        gather_dtype=autocast_dtype(plan.precision), ignored=set(expert_parameters([stage.module])))
     return flags

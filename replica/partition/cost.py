@@ -9,7 +9,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -18,7 +18,8 @@ from replica.partition.graph import Node
 from replica.partition.profile import OpTimes, cache_dir
 
 __all__ = ["DeviceSpec", "CostModel", "TensorParallelCosts", "device_spec", "torch_device_of", "preset_for_cuda_device",
-           "ring_collective_time", "PRESETS"]
+           "ring_collective_time", "PRESETS", "fused_ops", "POINTWISE",
+           "float8_linears"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,6 +310,38 @@ class TensorParallelCosts:
     backward: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
 
+# elementwise ops (by a graph node's target): what a compiler fuses into the kernel before them
+POINTWISE = frozenset({
+    "add", "sub", "mul", "truediv", "div", "neg", "pow", "exp", "log", "sqrt", "rsqrt", "abs", "clamp", "where",
+    "gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "masked_fill", "iadd", "imul", "isub", "itruediv",
+    "float", "to", "type_as", "contiguous",
+})
+# ops whose output a compiler can feed straight into a following elementwise op's kernel
+_FUSES_INTO = POINTWISE | {"layernorm", "layer_norm", "rmsnorm", "rms_norm", "softmax", "groupnorm", "group_norm"}
+
+
+def fused_ops(graph: Iterable[Node]) -> frozenset[str]:
+    """The ops a compiled stage runs for free (the price set of ``compile=True``): every
+    elementwise op (:data:`POINTWISE`) that reads the output of another elementwise op, or of a
+    norm or softmax. A chain of them is then one memory pass and one launch, priced as its first
+    op; matmuls, norms and the chain's first op keep their eager prices. Inductor fuses more
+    (a norm's backward, reductions into their consumers); this is the part that holds on every
+    device it targets."""
+    kinds = {n.name: _op_name(n.target) for n in graph}
+    return frozenset(n.name for n in graph if n.kind == "op" and kinds[n.name] in POINTWISE
+                     and any(kinds.get(i) in _FUSES_INTO for i in n.inputs))
+
+
+def _op_name(target: str) -> str:
+    """An op's name whatever the tracer: ``mul`` for fx's ``mul`` and torch.export's ``mul.Tensor``."""
+    return target.split(".", 1)[0]
+
+
+def float8_linears(graph: Iterable[Node]) -> frozenset[str]:
+    """The ops ``float8=True`` runs in float8: linears with a weight (torchao swaps ``nn.Linear``)."""
+    return frozenset(n.name for n in graph if n.kind == "op" and _op_name(n.target) == "linear" and n.parameters)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Prices for ops and transfers.
@@ -322,7 +355,9 @@ class CostModel:
     ``batch_fraction`` prices a share of the traced batch (one data-parallel replica's,
     when the graph was traced at the global batch). ``tensor_parallel`` (None: no tensor
     parallelism) divides the work of the ops computing on shards and adds the collectives of
-    the tensor-parallel group to the ops they follow (:class:`TensorParallelCosts`).
+    the tensor-parallel group to the ops they follow (:class:`TensorParallelCosts`). ``fused``
+    (a compiled plan's :func:`fused_ops`) are free but for their collectives; ``float8``
+    (:func:`float8_linears`) compute at ``float8_speedup`` times the half-precision rate.
     """
 
     device: DeviceSpec
@@ -332,6 +367,9 @@ class CostModel:
     batch_fraction: float = 1.0
     measured_fraction: float = 1.0
     tensor_parallel: TensorParallelCosts | None = None
+    fused: frozenset[str] = frozenset()  # ops a compiled stage runs inside another's kernel: free (fused_ops)
+    float8: frozenset[str] = frozenset()  # linears computing in float8 (float8_linears), at float8_speedup x
+    float8_speedup: float = 1.0
     # (id(node), num_calls, backward) -> (node, seconds): an op priced once per call count (the
     # planner's search prices the same ops for every cut; the node is held so its id stays its own)
     _times: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -378,6 +416,8 @@ class CostModel:
         nbytes = node.bytes_accessed * self.batch_fraction * share
         bandwidth = d.bandwidth(nbytes / max(1, num_calls))
         rate = d.peak(node.compute_dtype or self.dtype)  # an op's own dtype where autocast chose one
+        if node.name in self.float8:
+            rate = d.half_flops * self.float8_speedup
         return node.flops * share / rate * self.batch_fraction + nbytes / bandwidth + num_calls * d.op_overhead_s
 
     def call_overhead(self, node: Node, backward: bool = False) -> float:
@@ -385,6 +425,8 @@ class CostModel:
         if node.kind != "op":
             return 0.0
         collective = self._collective_latency(node, backward)
+        if node.name in self.fused:
+            return collective
         if node.name in self.measured:
             t = self.measured[node.name]
             seconds, fixed = (t.backward_s, t.backward_fixed_s) if backward else (t.forward_s, t.forward_fixed_s)
@@ -405,6 +447,8 @@ class CostModel:
 
     def _forward_time(self, node: Node, num_calls: int) -> float:
         collective = self.collective_time(node, num_calls) if self.tensor_parallel is not None else 0.0
+        if node.name in self.fused:
+            return collective
         if node.name in self.measured:
             t = self.measured[node.name]
             return self._from_measured(t.forward_s, t.forward_fixed_s, num_calls, self._share(node)) \
@@ -430,6 +474,8 @@ class CostModel:
 
     def _backward_time(self, node: Node, num_calls: int) -> float:
         collective = self.collective_time(node, num_calls, backward=True) if self.tensor_parallel is not None else 0.0
+        if node.name in self.fused:
+            return collective
         if node.name in self.measured:
             t = self.measured[node.name]
             return self._from_measured(t.backward_s, t.backward_fixed_s, num_calls, self._share(node)) \

@@ -10,6 +10,7 @@ from typing import Any
 
 from replica.errors import ConfigError
 from replica.layout import Layout
+from replica.partition.experts import ExpertBlock
 from replica.partition.tensor_parallel import ShardedBlock
 from replica.units import format_bytes, format_flop_rate, format_seconds
 
@@ -169,6 +170,21 @@ class Plan:
     # with layout.sequence_parallel: (node, dim) of each value between those blocks held as a
     # sequence shard (replica.partition.sequence_parallel); () without, or where none has such a dim
     sequence_shards: tuple[tuple[str, int], ...] = ()
+    # every stage runs through torch.compile (replica.parallel.compile), priced with its fused
+    # pointwise ops (replica.partition.cost.fused_ops); ``compile_note``: why, in a few words
+    compile: bool = False
+    compile_note: str = ""
+    # the linears train in float8 (torchao, replica.parallel.float8), priced at the float8 rate
+    float8: bool = False
+    # each MoE layer's experts (replica.partition.experts), spread over
+    # layout.expert_parallel_size replicas where that is > 1; () in a model without them
+    experts: tuple[ExpertBlock, ...] = ()
+    # with layout.expert_parallel_size > 1 (replica.planner.experts): the busiest pipeline rank's
+    # all-to-all seconds and bytes sent a step (in predicted_step_time_s), and the example batch's
+    # routing imbalance (the busiest expert rank's token slots over the mean)
+    expert_parallel_s: float = 0.0
+    expert_parallel_bytes: int = 0
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -199,9 +215,12 @@ class Plan:
     def sends_input_grads_early(self) -> bool:
         """Whether a backward that sends an input gradient to another rank sends it before
         computing its weight gradients: the plan's choice (``early_input_grads``), never where
-        sharded replicas reduce gradients inside the backward (FSDP2) or the schedule has W
-        actions of its own. The one place this is decided; planner and runtimes read it."""
-        return self.early_input_grads and not self.layout.sharded and not self.layout.kind.splits_backward
+        sharded replicas reduce gradients inside the backward (FSDP2), the schedule has W
+        actions of its own, or the stages are compiled (the linears that defer their weight
+        gradients would run eagerly, breaking the graph: a compiled backward runs whole). The
+        one place this is decided; planner and runtimes read it."""
+        return self.early_input_grads and not self.layout.sharded and not self.layout.kind.splits_backward \
+            and not self.compile
 
     # --- derived figures -------------------------------------------------------------
     @property
@@ -274,6 +293,33 @@ class Plan:
                 f"reduce-scattered once: {times}")
 
     @property
+    def expert_parallel_stages(self) -> tuple[int, ...]:
+        """The stages holding an MoE layer whose experts are spread over an expert group (ep > 1)."""
+        if self.layout.expert_parallel_size <= 1 or not self.experts:
+            return ()
+        return tuple(s.stage_index for s in self.stages if any(b.exit in s.node_names for b in self.experts))
+
+    @property
+    def compile_line(self) -> str:
+        """One line on compilation: on or off, and why."""
+        if not self.compile:
+            return f"compile: off ({self.compile_note})" if self.compile_note else "compile: off"
+        split = " zero-bubble stages run each deferred linear eagerly between their compiled graphs (its weight " \
+                "gradient is computed by a W action);" if self.layout.kind.splits_backward else ""
+        eager = [s.stage_index for s in self.stages if self.blocks_of(s.stage_index)] \
+            if self.tensor_parallel_size > 1 else []
+        tp = f" stages {eager} run eagerly: their tensor-parallel blocks hold strided DTensor shards dynamo does " \
+             "not trace, and are priced so;" if eager else ""
+        experts = f" stages {list(self.expert_parallel_stages)} run eagerly: their all-to-all dispatch has " \
+            "data-dependent sizes;" if self.expert_parallel_stages else ""
+        float8 = " the linears in float8 (torchao);" if self.float8 else ""
+        fsdp = " FSDP2's per-block units run their hooks eagerly between compiled graphs;" \
+            if self.layout.sharded and self.data_parallel_size > 1 else ""
+        return (f"compile: every stage through torch.compile ({self.compile_note}), the batch dim dynamic;{split}{tp}"
+                f"{experts}"
+                f"{fsdp}{float8} checkpointed blocks compiled inside their checkpoint")
+
+    @property
     def tensor_parallel_size(self) -> int:
         return self.layout.tensor_parallel_size
 
@@ -306,6 +352,21 @@ class Plan:
         return (f"tensor parallel: {t} ranks per stage, {cut} cut across them; their collectives (all-reduces, "
                 f"all-gathers, not overlapped) on the busiest stage ({busiest.stage_index}): "
                 f"{_bytes(busiest.tensor_parallel_bytes)} in {_seconds(busiest.tensor_parallel_s)} a step{sequence}")
+
+    @property
+    def expert_parallel_note(self) -> str:
+        """One line on the experts: how many MoE layers, over how many replicas, at what price ("" without)."""
+        if not self.experts:
+            return ""
+        e = self.layout.expert_parallel_size
+        counts = sorted({b.num_experts for b in self.experts})
+        plural = "s" if len(self.experts) > 1 else ""
+        layers = f"{len(self.experts)} MoE layer{plural} of {'/'.join(map(str, counts))} experts"
+        if e == 1:
+            return f"experts: {layers}, every replica holds all of them"
+        return (f"expert parallel: {layers} spread over {e} replicas ({counts[0] // e} experts each); all-to-all "
+                f"{_bytes(self.expert_parallel_bytes)} sent in {_seconds(self.expert_parallel_s)} a step by the "
+                f"busiest rank; routing imbalance {self.expert_imbalance:.2f} on the example batch")
 
     def stage_of(self, node_name: str) -> int:
         for s in self.stages:
@@ -362,6 +423,7 @@ class Plan:
             data["action_starts"] = tuple(tuple(float(t) for t in starts) for starts in data.get("action_starts", ()))
             data["tensor_parallel"] = tuple(ShardedBlock.from_dict(b) for b in data.get("tensor_parallel", ()))
             data["sequence_shards"] = tuple((str(n), int(d)) for n, d in data.get("sequence_shards", ()))
+            data["experts"] = tuple(ExpertBlock.from_dict(b) for b in data.get("experts", ()))
             if version == 1:  # the layout's figures stood at the top
                 ranks = data.pop("pipeline_ranks", 0) or data["num_stages"]
                 data["layout"] = {"schedule": data.pop("schedule"), "num_stages": data.pop("num_stages"),
@@ -418,10 +480,14 @@ class Plan:
             f"bubble {self.bubble_fraction:.0%}"
         )
         lines.append(self.precision_note)
+        if self.compile or self.compile_note:
+            lines.append(self.compile_line)
         if self.tensor_parallel_note:
             lines.append(self.tensor_parallel_note)
         if self.data_parallel_note:
             lines.append(self.data_parallel_note)
+        if self.expert_parallel_note:
+            lines.append(self.expert_parallel_note)
         if self.microbatch_shares:
             share = " / ".join(f"{x:.0%}" for x in self.microbatch_shares)
             lines.append(f"graded micro-batches (shares of the batch, in order): {share}")

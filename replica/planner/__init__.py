@@ -22,6 +22,7 @@ from replica.partition.plan import Plan
 from replica.partition.recompute import needs_blocks
 from replica.partition.trace import Traced
 from replica.planner.costs import stage_costs_from_plan
+from replica.planner.experts import plan_experts, sharded_experts_graph
 from replica.planner.options import PlannerOptions
 from replica.planner.pricing import Pricing, default_microbatches
 from replica.planner.refine import finish
@@ -51,7 +52,10 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     pricing = Pricing(traced, model, device=r.device, cost=r.cost, memory_budget=r.memory_budget,
                       memory_model=MemoryModel(optimizer=r.optimizer), precision=r.precision,
                       num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
-                      graded=r.graded_microbatches, options=r.options, batch_scale=scale)
+                      graded=r.graded_microbatches, options=r.options, batch_scale=scale, compile=r.compile,
+                      float8=r.float8)
+    if (r.expert_parallel_size or 1) > 1:  # each rank holds 1/ep of the experts: what the partition weighs
+        pricing.graph = sharded_experts_graph(pricing.graph, r.expert_parallel_size)
     # the mode every stage checkpoints by (None: the tuner's choice; "pointwise" checkpoints none)
     full = False if r.recompute == "pointwise" else r.recompute
     if needs_blocks(full) and not find_blocks([n.module_path for n in traced.graph]):
@@ -59,7 +63,14 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
             f"recompute={full!r} checkpoints blocks (the repeated modules, as transformer.h.0, model.layers.0), but "
             f"{traced.graph.model_name or 'the model'} has none: its module paths repeat no indexed container. Use "
             "recompute=True (each stage checkpointed whole), 'pointwise', False or None")
-    rebuild = r.recompute is not False  # False keeps every activation: no rebuilds either
+    if pricing.compiled and r.recompute == "pointwise":
+        raise ConfigError(
+            "recompute='pointwise' rebuilds GELU / SiLU outputs in backward through autograd's saved-tensor hooks, "
+            "which a compiled stage does not run: torch.compile's partitioner already recomputes cheap pointwise "
+            "ops. Use compile=False with it, or recompute=None / True / 'selective' / False with compile=True")
+    # False keeps every activation: no rebuilds either; nor in compiled stages, whose partitioner
+    # chooses what to recompute (and whose graphs the rebuildable norms would break)
+    rebuild = r.recompute is not False and not pricing.compiled
     if r.tuning:
         world = r.world_size if r.world_size is not None else (r.num_stages or 1)
         schedules = None if r.schedule == "auto" else (r.schedule,)
@@ -98,6 +109,9 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
         plan = _shard_fixed(pricing, layout, m, full or False, r, r.options.tie)
     _check_blocks(plan)
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
+    # each MoE layer's experts over ep replicas: the one asked, or the fastest that fits; priced
+    plan = plan_experts(traced, plan, r.expert_parallel_size, pricing.first_spec(),
+                        budget=pricing.budget_per_device(), tie=r.options.tie, optimizer=r.optimizer)
     if r.recompute == "pointwise" and not plan.recompute:
         plan = dataclasses.replace(plan, pointwise_recompute=True)
     # the action lists, once, from the final plan: every rank, the simulator and the report read

@@ -17,6 +17,8 @@ from replica.partition.cost import (
     DeviceSpec,
     TensorParallelCosts,
     device_spec,
+    float8_linears,
+    fused_ops,
     preset_for_cuda_device,
     torch_device_of,
 )
@@ -27,6 +29,7 @@ from replica.partition.profile import profile
 from replica.partition.sequence_parallel import sequence_region
 from replica.partition.tensor_parallel import ShardedBlock, find_blocks
 from replica.partition.trace import Traced
+from replica.planner.compiling import FLOAT8_SPEEDUP, check_float8, compile_choice
 from replica.planner.costs import stage_costs_from_plan
 from replica.planner.dataparallel import StageWeights, with_collectives
 from replica.planner.options import PlannerOptions
@@ -80,12 +83,16 @@ class Pricing:
     that half precision (FSDP's ``MixedPrecisionPolicy.param_dtype``). A layout with
     ``tensor_parallel_size`` t > 1 is priced on the graph one rank of its group holds, with
     its blocks' collectives (:mod:`replica.planner.tensor_parallel`): :meth:`graph_for`,
-    :meth:`cost_model`; the blocks are found once, when a layout first asks for them."""
+    :meth:`cost_model`; the blocks are found once, when a layout first asks for them. ``compile``
+    (True, False, or None: :func:`~replica.planner.compiling.compile_choice`'s rule) prices
+    compiled stages: their fused pointwise ops free (:func:`~replica.partition.cost.fused_ops`);
+    ``float8`` prices the linears at an SM90 GPU's float8 rate (refused on any other device)."""
 
     def __init__(self, traced: Traced, model: torch.nn.Module, *, device: Any, cost: str,
                  memory_budget: float | Sequence[float] | None, memory_model: MemoryModel,
                  num_microbatches: int | None, num_stages_hint: int, graded: bool = True,
-                 options: PlannerOptions = PlannerOptions(), batch_scale: int = 1, precision: str = "fp32") -> None:
+                 options: PlannerOptions = PlannerOptions(), batch_scale: int = 1, precision: str = "fp32",
+                 compile: bool | None = False, float8: bool = False) -> None:
         if cost not in ("auto", "analytic", "profile"):
             raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {cost!r}")
         inputs = traced.example
@@ -117,6 +124,11 @@ class Pricing:
                                             (self.devices[0] if self.devices else default_device(model)))
         self.dtype = model_dtype(model)
         self.precision = precision
+        # compiled stages: priced with their fused pointwise ops (cost.fused_ops)
+        weights_on = next((p.device.type for p in model.parameters()), "cpu")
+        check_float8(float8, self.spec)
+        self.compiled, self.compile_note = compile_choice(compile, self.spec, weights_on, float8)
+        self.float8 = float8
         self.graph = autocast_graph(traced, model, target_device_type(self.spec), precision, real=real)
         self.measured: dict[Any, Any] = {}
         self.measured_fraction = 1.0
@@ -233,7 +245,12 @@ class Pricing:
             self._models[key] = CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
                                           measured_fraction=self.measured_fraction,
                                           tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size,
-                                                                                     sequence_parallel))
+                                                                                     sequence_parallel),
+                                          # stages with tensor-parallel blocks run eagerly (parallel/compile.py)
+                                          fused=fused_ops(self.graph_for(tensor_parallel_size, sequence_parallel))
+                                          if self.compiled and tensor_parallel_size == 1 else frozenset(),
+                                          float8=float8_linears(self.graph_for(tensor_parallel_size, sequence_parallel))
+                                          if self.float8 else frozenset(), float8_speedup=FLOAT8_SPEEDUP)
         return self._models[key]
 
     def work(self, layout: Layout, num_microbatches: int, recompute: bool | str | int) -> float:
@@ -353,7 +370,8 @@ class Pricing:
                            bounds=None if like is None else self._bounds_of(like, layout))
         result = dataclasses.replace(result, layout=layout, tensor_parallel=blocks,
                                      sequence_shards=self.sequence_shards(layout),
-                                     early_input_grads=recompute is False and self._early_fits(result, where))
+                                     early_input_grads=recompute is False and self._early_fits(result, where),
+                                     compile=self.compiled, compile_note=self.compile_note, float8=self.float8)
         if not simulated:
             return dataclasses.replace(result, precision=self.precision,
                                        model_flops=3 * self.graph.total_flops * batch_fraction * replicas,

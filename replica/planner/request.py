@@ -53,12 +53,19 @@ class PlanningOptions:
     ``sequence_parallel`` (Megatron's sequence parallelism, with ``tensor_parallel_size`` > 1: the
     norms, dropouts and residuals between tensor-parallel blocks hold a shard of the tokens, a
     block's entry all-gathers them and its exit reduce-scatters; True, False, or None: the
-    planner prices both),
+    planner prices both), ``expert_parallel_size`` (each MoE layer's experts spread over this many
+    data-parallel replicas of its stage, tokens sent to them and back by all-to-all; a divisor of the
+    replicas and of every MoE layer's expert count; None: the planner's choice),
     ``recompute`` (activation checkpointing per stage, :mod:`replica.partition.recompute`: True
     checkpoints every block, a stage without blocks whole; ``"selective"`` keeps the blocks'
     matmul and attention outputs and recomputes the rest; an int ``k`` the first k blocks of each
     stage; ``"pointwise"``: rebuild GELU / SiLU outputs in backward on stages that hold several
-    micro-batches; False: none of these; None: the tuner decides), ``mixed_precision`` (None: fp32, or
+    micro-batches; False: none of these; None: the tuner decides), ``compile`` (True: every stage runs
+    through ``torch.compile``, inductor, after activation checkpointing and before FSDP2, priced with
+    its fused pointwise ops; False: eager; None: the planner's rule, on where the plan is for a GPU and
+    the weights are not on a CPU, off on a CPU, said in the plan summary), ``float8`` (True: the
+    linears train in float8 through torchao, on top of ``compile``, priced at an SM90 GPU's float8
+    rate; refused where the plan is not for an H100; default False), ``mixed_precision`` (None: fp32, or
     rather the weights' own dtype; ``"bf16"`` / ``"fp16"``: autocast, priced at the device's
     half-precision rate), ``device`` (what the plan is priced for and, for the Trainer, where the
     model runs: None, where the model's weights are; a torch device, ``"cpu"`` / ``"cuda:1"``,
@@ -86,7 +93,10 @@ class PlanningOptions:
     sharded_data_parallel: bool | str | None = None
     shard_group_size: int | None = None
     sequence_parallel: bool | None = None
+    expert_parallel_size: int | None = None
     recompute: bool | str | int | None = None
+    compile: bool | None = None
+    float8: bool = False
     mixed_precision: Any = None
     device: Any = None
     cost: str = "auto"
@@ -101,7 +111,7 @@ class PlanningOptions:
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "num_microbatches", "data_parallel_size", "tensor_parallel_size",
-                     "shard_group_size"):
+                     "shard_group_size", "expert_parallel_size"):
             check_count(name, getattr(self, name))
         if self.schedule is not None and not (isinstance(self.schedule, str) and self.schedule.lower() == "auto"):
             try:
@@ -142,6 +152,18 @@ class PlanningOptions:
                 f"(the first k blocks of each stage), 'pointwise' (rebuild GELU / SiLU outputs in backward), "
                 f"False or None (let the tuner decide), got {self.recompute!r}"
             )
+        if not (self.compile is None or isinstance(self.compile, bool)):
+            raise ConfigError(
+                f"compile must be True (every stage through torch.compile), False (eager) or None (the planner "
+                f"decides: on for a GPU, off on a CPU), got {self.compile!r}")
+        if not isinstance(self.float8, bool):
+            raise ConfigError(f"float8 must be True (the linears in float8, torchao, on an H100) or False, got "
+                              f"{self.float8!r}")
+        if self.float8 and self.compile is False:
+            raise ConfigError(
+                "float8=True casts every linear's inputs and weights to float8 around its matmul; without compile "
+                "those casts are separate kernels that cost more than the float8 matmul saves (torchao's float8 "
+                "training is meant to run under torch.compile). Use compile=True or None with float8=True")
         if self.cost not in ("auto", "analytic", "profile"):
             raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {self.cost!r}")
         if self.tracer not in ("auto", "fx", "export"):
@@ -236,6 +258,16 @@ class PlanRequest(PlanningOptions):
             )
         self._check_world()
         self._check_tensor_parallel()
+        e = self.expert_parallel_size
+        if e is not None and e > 1 and self.world_size is None:
+            raise ConfigError(
+                f"expert_parallel_size={e} needs a world of processes (the experts spread over {e} data-parallel "
+                "replicas): give world_size= to replica.plan, or run auto_parallel under torchrun")
+        if e is not None and self.data_parallel_size is not None and self.data_parallel_size % e:
+            d = self.data_parallel_size
+            raise ConfigError(
+                f"expert_parallel_size={e} does not divide data_parallel_size={d}: the experts spread over groups of "
+                f"{e} replicas. Use expert_parallel_size in {[k for k in range(1, d + 1) if d % k == 0]}")
         if self.sequence_parallel is True and self.tensor_parallel_fixed() == 1:
             raise ConfigError(
                 "sequence_parallel=True shards the tokens between tensor-parallel blocks, but this plan has one "

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from replica.errors import PipelineError
+from replica.parallel.experts import expert_parameters, sync_expert_grads
 from replica.parallel.fsdp import local_tensor, reshard
 from replica.parallel.gradsync import ReplicaReducer
 from replica.parallel.mesh import ParallelMesh
@@ -73,6 +74,8 @@ class DistributedRuntime:
         self.stages = self.executor.stages
         self.last_backward = self.executor.last_backward
         self.parameters = self._local_parameters()
+        self.experts = flags.experts  # expert parallelism: the experts' shards sum their gradients apart
+        self.expert_params = expert_parameters(s.module for s in self.stages.values()) if flags.experts else []
         self._autocast_agreed: int | None = None  # the autocast every rank last agreed on
         self._make_groups()
         self.messages = {train: self._message_order(schedule, train) for train in (True, False)}
@@ -102,6 +105,7 @@ class DistributedRuntime:
         # gradient is summed over exactly those ranks (of every replica).
         self.tied: list[tuple[Any, list[str]]] = []
         local = {name for name, _ in self.parameters}
+        experts = {id(p) for p in self.expert_params}
         holders: dict[str, set[int]] = {}
         for s in self.plan.stages:
             for name in s.parameter_names:
@@ -126,7 +130,7 @@ class DistributedRuntime:
             owner: dict[int, int] = {}
             for k in sorted(self.stages, key=lambda k: self.last_backward[k]):
                 for name, p in self.stages[k].module.named_parameters():
-                    if name not in self.tied_names and p.requires_grad:
+                    if name not in self.tied_names and p.requires_grad and id(p) not in experts:
                         owner[id(p)] = k
             params = {k: [p for p in dict.fromkeys(self.stages[k].module.parameters()) if owner.get(id(p)) == k]
                       for k in sorted(self.stages)}
@@ -230,6 +234,8 @@ class DistributedRuntime:
         step.mail.finish()
         if self.reducer is not None:
             self.reducer.finish()
+        if self.experts is not None:
+            sync_expert_grads(self.expert_params, self.experts, self._wait)
         match_grad_placements(p for _, p in self.parameters)  # before the tied sum adds local tensors
         self._reduce_tied()
         for _, p in self.parameters:

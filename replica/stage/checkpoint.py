@@ -33,7 +33,7 @@ import torch.utils.checkpoint as ckpt
 from replica.stage.batchnorm import recompute_context
 from replica.stage.rewrite import node_module_path
 
-__all__ = ["checkpoint_blocks", "checkpointed", "checkpointed_modules", "SAVED_OPS", "block_nodes"]
+__all__ = ["checkpoint_blocks", "checkpointed", "checkpointed_modules", "SAVED_OPS", "block_nodes", "CHECKPOINTED"]
 
 _aten = torch.ops.aten
 # the products selective checkpointing keeps (torchtitan's save list: matmuls and attention)
@@ -47,7 +47,7 @@ SAVED_OPS = frozenset(op for op in (
       if hasattr(_aten, name)),
 ) if op)
 
-_CHECKPOINTED = "replica_checkpointed"  # the sub-GraphModule a region's call carries, by this attribute
+CHECKPOINTED = "replica_checkpointed"  # the sub-GraphModule a region's call carries, by this attribute
 
 
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> ckpt.CheckpointPolicy:
@@ -146,11 +146,11 @@ def _named(call: Callable[..., Any], block: str, sub_module: fx.GraphModule) -> 
         return call(*args)
 
     run.__name__ = run.__qualname__ = f"checkpointed_{block.replace('.', '_')}"
-    setattr(run, _CHECKPOINTED, sub_module)
+    setattr(run, CHECKPOINTED, sub_module)
     return run
 
 
 def checkpointed_modules(module: fx.GraphModule) -> list[fx.GraphModule]:
     """The sub-GraphModules of ``module``'s checkpointed regions, in graph order."""
-    return [getattr(n.target, _CHECKPOINTED) for n in module.graph.nodes
-            if n.op == "call_function" and hasattr(n.target, _CHECKPOINTED)]
+    return [getattr(n.target, CHECKPOINTED) for n in module.graph.nodes
+            if n.op == "call_function" and hasattr(n.target, CHECKPOINTED)]

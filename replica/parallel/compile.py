@@ -1,0 +1,163 @@
+"""Compilation of a stage: its fx graph handed to ``torch.compile``, the batch dimension dynamic.
+
+The parallelize step calls :func:`compile_stage` on each stage this process runs, after the
+stage rewrites and activation checkpointing and before FSDP2, as torchtitan's ``apply_compile``
+sits between activation checkpointing and ``fully_shard``. A stage is already an
+``fx.GraphModule``, so its ``forward`` is compiled as it is; the module keeps its class, its
+parameters and their original names (no ``_orig_mod``), and hooks on it (FSDP2's root unit, the
+last stage's output unflattening) stay outside the compiled code.
+
+- **Shapes.** Every tensor a stage receives has its first dimension marked dynamic
+  (``maybe_mark_dynamic``) before each call: graded micro-batches and the last uneven one change
+  it, and a dim compiled static would recompile on each new size.
+- **Checkpointed blocks.** Each block's region (:mod:`replica.stage.checkpoint`) is compiled by
+  itself and run inside its eager ``torch.utils.checkpoint``: dynamo traces a checkpoint only
+  with a selective policy's ``context_fn``, not the batch-norm recompute context every region
+  carries. The stage's graph breaks around each region.
+- **Zero-bubble stages.** A stage whose linears defer their weight gradients
+  (:mod:`replica.stage.weightgrad`) keeps those linears eager (``torch._dynamo.disable``): traced,
+  their backward would read the weight-gradient sink once, at compile time, and the W actions
+  would find nothing to do. The graph breaks at each of them; the ops between them compile.
+- **FSDP2.** Its root unit's hooks sit on the stage module, outside the compiled forward; its
+  per-block units hook the leaf modules the stage graph calls (:mod:`replica.parallel.fsdp`), so
+  dynamo runs those hooks eagerly and the graph breaks at each unit (17 graphs for the example
+  GPT's one zero3 stage, benchmarks/compile.py). Gradients are exact either way.
+- **Tensor parallelism.** A stage holding tensor-parallel blocks runs eagerly (:func:`runs_eagerly`):
+  dynamo does not trace the strided DTensor shards of a fused q/k/v projection here (torch 2.13:
+  a ``_StridedShard``'s properties, then a redistribute on real tensors inside fake tracing).
+  Replica's split of such an output is kept out of any graph all the same.
+- **Backend.** ``"inductor"`` unless :func:`compile_backend` names another for the stages made
+  inside it (the tests use ``"aot_eager"``: inductor's C++ build costs seconds per graph on a CPU).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+
+from replica.parallel import tensor_parallel
+from replica.partition.plan import Plan
+from replica.scoped import Scoped
+from replica.stage import weightgrad
+from replica.stage.checkpoint import CHECKPOINTED
+
+__all__ = ["compile_stage", "compile_backend", "compile_seconds", "recompiles", "CompiledStage", "compiled_stage",
+           "runs_eagerly"]
+
+_backend: Scoped[str] = Scoped("inductor")
+_COMPILED = "replica_compiled"  # the module attribute that holds its CompiledStage
+
+
+@contextmanager
+def compile_backend(name: str) -> Iterator[None]:
+    """Stages compiled inside this block use ``torch.compile``'s backend ``name`` (e.g.
+    ``"aot_eager"``: the same graphs through AOTAutograd without inductor's code generation)."""
+    with _backend.using(name):
+        yield
+
+
+class CompiledStage:
+    """A stage's compiled forward: the batch dimension of every tensor input marked dynamic,
+    then the compiled graph. ``eager_linears``: the deferred linears left out of the graph."""
+
+    def __init__(self, forward: Callable[..., Any], backend: str, eager_linears: int) -> None:
+        self.backend = backend
+        self.eager_linears = eager_linears
+        self._compiled = torch.compile(forward, backend=backend, dynamic=None)
+
+    def __call__(self, *args: Any) -> Any:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return self._compiled(*args)
+
+
+# the deferrable linears, opaque to dynamo: they run eagerly, their backward reading the sink when it runs
+_DEFERRED = {f: torch._dynamo.disable(f) for f in (weightgrad.linear, weightgrad.addmm)}
+# a tensor-parallel split reads its DTensor's placement (dynamo cannot trace _StridedShard's properties)
+_OPAQUE = {tensor_parallel.split: torch._dynamo.disable(tensor_parallel.split)}
+
+
+def _keep_eager(module: fx.GraphModule, twins: dict[Callable[..., Any], Callable[..., Any]]) -> int:
+    """Point ``module``'s calls of ``twins``' keys at their dynamo-disabled twins; how many."""
+    count = 0
+    for n in module.graph.nodes:
+        if n.op == "call_function" and n.target in twins:
+            n.target = twins[n.target]
+            count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+def _compile_regions(module: fx.GraphModule, backend: str) -> int:
+    """Compile each checkpointed block's region of ``module`` by itself, its
+    ``torch.utils.checkpoint`` call left eager around it (dynamo takes only a selective policy's
+    ``context_fn``, not the batch norms' recompute context every region carries); how many."""
+    count = 0
+    for n in module.graph.nodes:
+        region = getattr(n.target, CHECKPOINTED, None) if n.op == "call_function" else None
+        if region is None:
+            continue
+        _keep_eager(region, _OPAQUE)
+        _compile_forward(region, backend, 0)
+        eager = torch._dynamo.disable(n.target)
+        setattr(eager, CHECKPOINTED, region)  # FSDP2 finds the region's modules by it
+        n.target = eager
+        count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+def _compile_forward(module: fx.GraphModule, backend: str, eager_linears: int) -> CompiledStage:
+    compiled = CompiledStage(module.forward, backend, eager_linears)
+    module.forward = compiled  # an instance attribute: the class, and so state_dict's names, stay
+    setattr(module, _COMPILED, compiled)
+    return compiled
+
+
+def runs_eagerly(plan: Plan, stage_index: int) -> str:
+    """Why stage ``stage_index`` of ``plan`` runs eagerly ("" where it compiles): not compiled by
+    the plan, it holds tensor-parallel blocks (see the module's docstring), or experts spread over
+    an expert group."""
+    if not plan.compile:
+        return "the plan does not compile"
+    if plan.tensor_parallel_size > 1 and plan.blocks_of(stage_index):
+        return "it holds tensor-parallel blocks (strided DTensor shards dynamo does not trace)"
+    if stage_index in plan.expert_parallel_stages:
+        return "it dispatches tokens to other ranks' experts (all-to-all of data-dependent sizes)"
+    return ""
+
+
+def compile_stage(module: fx.GraphModule, *, deferring: bool = False, backend: str | None = None) -> CompiledStage:
+    """Compile ``module`` (a stage) in place: its ``forward`` becomes a :class:`CompiledStage`
+    (compiled at its first call), and so does each checkpointed block's region inside it.
+    ``deferring``: its linears defer weight gradients (a zero-bubble schedule's W actions), kept
+    eager. ``backend`` None: :func:`compile_backend`'s."""
+    backend = backend or _backend.get()
+    eager = _keep_eager(module, _DEFERRED) if deferring else 0
+    _keep_eager(module, _OPAQUE)
+    _compile_regions(module, backend)
+    return _compile_forward(module, backend, eager)
+
+
+def compiled_stage(module: torch.nn.Module) -> CompiledStage | None:
+    """The :class:`CompiledStage` of ``module``, or None where it runs eagerly."""
+    return getattr(module, _COMPILED, None)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling (dynamo, AOTAutograd and the backend; forward
+    and backward graphs), by torch's own account."""
+    spent = torch._dynamo.utils.calculate_time_spent()
+    return float(spent.get("total_wall_time", 0.0))
+
+
+def recompiles() -> int:
+    """Graphs dynamo has compiled in this process (``unique_graphs``): a count that stays put
+    once every micro-batch size has run."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

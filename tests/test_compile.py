@@ -1,0 +1,187 @@
+"""Compiled stages (replica/parallel/compile.py): the plain model's gradients, its names, no recompiles.
+
+Every test but one compiles with ``backend="aot_eager"`` (the same dynamo graphs and AOTAutograd
+joint graphs inductor gets, without its C++ build, which costs seconds per graph on a CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import replica
+from replica.errors import ConfigError
+from replica.parallel.compile import compile_backend, compiled_stage, recompiles
+from replica.partition.cost import fused_ops
+from replica.partition.trace import trace
+from replica.stage.weightgrad import WeightGrads, collecting
+from tests.grads import assert_same_grads
+from tests.models import mlp, tiny_gpt
+
+
+def _reference(model, x, y, loss_fn):
+    ref = copy.deepcopy(model)
+    loss_fn(ref(*x), y).backward()
+    return ref
+
+
+@pytest.mark.parametrize("compile_", ["yes", 1, 0.0, "inductor"])
+def test_compile_must_be_true_false_or_none(compile_) -> None:
+    model, x, _, _ = mlp()
+    with pytest.raises(ConfigError, match="compile must be True"):
+        replica.plan(model, x, num_stages=2, compile=compile_)
+    with pytest.raises(ConfigError, match="compile must be True"):
+        replica.defaults.TrainerConfig(compile=compile_)
+
+
+def test_the_trainer_config_plans_with_compile() -> None:
+    assert replica.defaults.TrainerConfig(compile=True).planning()["compile"] is True
+
+
+@pytest.mark.parametrize("factory,schedule,recompute", [
+    (tiny_gpt, "1f1b", False), (tiny_gpt, "zb-h1", False),
+    (tiny_gpt, "1f1b", "selective"),  # each block's region compiled inside its checkpoint (as with True)
+    (mlp, "1f1b", True),  # no blocks: each stage checkpointed whole, its compiled forward inside the checkpoint
+])
+def test_compiled_stages_give_the_plain_models_gradients(factory, schedule, recompute) -> None:
+    model, x, y, loss_fn = factory(batch_size=8)
+    ref = _reference(model, x, y, loss_fn)
+    with compile_backend("aot_eager"):
+        pm = replica.auto_parallel(model, x, num_stages=2, num_microbatches=4, schedule=schedule,
+                                   recompute=recompute, loss_fn=loss_fn, compile=True)
+    assert pm.plan.compile and all(compiled_stage(s.module) is not None for s in pm.stages)
+    assert "compile: every stage through torch.compile" in pm.plan.summary()
+    pm.train_step(x, y)
+    assert_same_grads(pm, ref, rtol=1e-4, atol=1e-6)
+    assert list(pm.state_dict()) == list(model.state_dict())  # original names, no _orig_mod
+    for s in pm.stages:
+        assert not any("_orig_mod" in name for name in s.module.state_dict())
+
+
+def test_zero_bubble_stages_still_defer_their_weight_gradients() -> None:
+    """A traced linear backward would read the weight-gradient sink at compile time (none):
+    W would find nothing to do. The deferred linears stay eager, so B leaves them to W."""
+    model, x, y, loss_fn = tiny_gpt(batch_size=4)
+    with compile_backend("aot_eager"):
+        pm = replica.auto_parallel(model, x, num_stages=2, num_microbatches=2, schedule="zb-h1", loss_fn=loss_fn,
+                                   compile=True)
+    first = pm.stages[0]
+    assert compiled_stage(first.module).eager_linears > 0
+    out = [o for o in first.module(x[0]) if isinstance(o, torch.Tensor) and o.requires_grad]
+    sink = WeightGrads()
+    with collecting(sink):
+        torch.autograd.backward(out, [torch.ones_like(o) for o in out])
+    assert len(sink) == compiled_stage(first.module).eager_linears
+    assert all(p.grad is None for n, p in first.module.named_parameters() if n.endswith("c_fc.weight"))
+    sink.apply()
+    assert all(p.grad is not None for n, p in first.module.named_parameters() if n.endswith("c_fc.weight"))
+
+
+def test_uneven_and_graded_microbatches_compile_once() -> None:
+    """The batch dim is dynamic from the first call: micro-batches of 3, 3, 2 and 2 samples
+    compile each stage's graph once, and a later step of another batch size compiles nothing."""
+    torch._dynamo.reset()
+    model, x, y, loss_fn = tiny_gpt(batch_size=10)
+    ref = _reference(model, x, y, loss_fn)
+    with compile_backend("aot_eager"):
+        pm = replica.auto_parallel(model, x, num_stages=2, num_microbatches=4, loss_fn=loss_fn, compile=True,
+                                   graded_microbatches=False)
+    before = recompiles()
+    pm.train_step(x, y)
+    first = recompiles() - before
+    assert_same_grads(pm, ref, rtol=1e-4, atol=1e-6)
+    assert first == len(pm.stages)  # one graph per stage, whatever the micro-batch sizes
+    pm.train_step(x[0][:9], y[:9])  # another batch: micro-batches of 3, 2, 2 and 2 samples
+    assert recompiles() - before == first  # (one of 1 sample would compile once more: dynamo specializes 0 and 1)
+
+
+def test_compile_none_is_off_on_a_cpu_and_on_for_a_gpu() -> None:
+    model, x, _, _ = tiny_gpt(batch_size=8)
+    cpu = replica.plan(model, x, num_stages=2, device="cpu", cost="analytic")
+    assert not cpu.compile and "compile: off (compile=None" in cpu.summary()
+    with torch.device("meta"):
+        big = copy.deepcopy(model).to("meta")
+    gpu = replica.plan(big, tuple(t.to("meta") for t in x), num_stages=2, device="h100-80gb")
+    assert gpu.compile and "on by the planner's rule" in gpu.summary()
+    assert not replica.plan(model, x, num_stages=2, device="h100-80gb", cost="analytic").compile  # weights on CPU
+
+
+def test_compiled_plans_price_pointwise_chains_as_one_pass() -> None:
+    model, x, _, _ = tiny_gpt(batch_size=8)
+    graph = trace(model, x).graph
+    fused = fused_ops(graph)
+    assert fused and all(graph[name].target in ("add", "mul", "gelu", "masked_fill") for name in fused)
+    eager = replica.plan(model, x, num_stages=2, device="h100-80gb", cost="analytic", compile=False)
+    compiled = replica.plan(model, x, num_stages=2, device="h100-80gb", cost="analytic", compile=True)
+    assert compiled.predicted_step_time_s < eager.predicted_step_time_s
+    assert replica.Plan.from_json(compiled.to_json()).compile
+    # across ranks a compiled backward runs whole: no input gradients sent before the weight gradients
+    world = dict(world_size=2, num_stages=2, schedule="1f1b", num_microbatches=4, cost="analytic")
+    assert replica.plan(model, x, compile=False, **world).sends_input_grads_early
+    assert not replica.plan(model, x, compile=True, **world).sends_input_grads_early
+
+
+def test_a_given_plan_must_agree_on_compile() -> None:
+    model, x, y, loss_fn = mlp()
+    plan = replica.plan(model, x, num_stages=2, compile=False)
+    with pytest.raises(ConfigError, match="compile=True disagrees"):
+        replica.auto_parallel(model, x, plan=plan, loss_fn=loss_fn, compile=True)
+
+
+@pytest.mark.slow
+def test_inductor_stages_give_the_plain_models_gradients() -> None:
+    """The one test through inductor itself (its C++ build: tens of seconds here)."""
+    model, x, y, loss_fn = mlp(batch_size=8)
+    ref = _reference(model, x, y, loss_fn)
+    pm = replica.auto_parallel(model, x, num_stages=2, num_microbatches=2, loss_fn=loss_fn, compile=True)
+    assert compiled_stage(pm.stages[0].module).backend == "inductor"
+    pm.train_step(x, y)
+    assert_same_grads(pm, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_plans_leave_rebuilds_to_the_compiler() -> None:
+    """Rebuilt GELU / LayerNorm outputs go through autograd's saved-tensor hooks and a norm that
+    notes its eps on its autograd node (a graph break): a compiled plan has none, and
+    recompute='pointwise' with compile=True is refused."""
+    model, x, _, _ = tiny_gpt(batch_size=8)
+    plan = replica.plan(model, x, num_stages=2, compile=True)
+    assert not plan.rebuilds and not plan.pointwise_recompute
+    with pytest.raises(ConfigError, match="recompute='pointwise' rebuilds"):
+        replica.plan(model, x, num_stages=2, compile=True, recompute="pointwise")
+
+
+def test_float8_is_priced_for_an_h100_and_refused_elsewhere() -> None:
+    model, x, _, _ = tiny_gpt(batch_size=8)
+    with pytest.raises(ConfigError, match="needs an SM90 GPU"):
+        replica.plan(model, x, num_stages=2, float8=True)  # a CPU
+    with pytest.raises(ConfigError, match="needs an SM90 GPU"):
+        replica.plan(model, x, num_stages=2, float8=True, device="a100-80gb", cost="analytic")
+    with pytest.raises(ConfigError, match="Use compile=True or None with float8=True"):
+        replica.plan(model, x, num_stages=2, float8=True, compile=False)
+    with pytest.raises(ConfigError, match="float8 must be True"):
+        replica.plan(model, x, num_stages=2, float8="yes")
+    meta = copy.deepcopy(model).to("meta")
+    inputs = tuple(t.to("meta") for t in x)
+    compiled = replica.plan(meta, inputs, num_stages=2, device="h100-80gb", mixed_precision="bf16", compile=True)
+    float8 = replica.plan(meta, inputs, num_stages=2, device="h100-80gb", mixed_precision="bf16", float8=True)
+    assert float8.compile and float8.float8 and "the linears in float8" in float8.summary()
+    assert float8.predicted_step_time_s < compiled.predicted_step_time_s
+    with pytest.raises(ConfigError, match="this stage's weights are on the CPU"):
+        from replica.parallel.float8 import float8_stage
+        float8_stage(model)
+
+
+def test_compiled_stages_run_under_the_plans_autocast() -> None:
+    """bf16: the compiled graphs compute in autocast's dtypes, as the eager stages do (through
+    aot_eager the same kernels: the same gradients, bit for bit)."""
+    model, x, y, loss_fn = tiny_gpt(batch_size=8)
+    eager = replica.auto_parallel(copy.deepcopy(model), x, num_stages=2, num_microbatches=4, loss_fn=loss_fn,
+                                  mixed_precision="bf16", compile=False)
+    with compile_backend("aot_eager"):
+        pm = replica.auto_parallel(model, x, num_stages=2, num_microbatches=4, loss_fn=loss_fn,
+                                   mixed_precision="bf16", compile=True)
+    eager.train_step(x, y)
+    pm.train_step(x, y)
+    assert_same_grads(pm, eager, rtol=0, atol=0)
