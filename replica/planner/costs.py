@@ -3,7 +3,7 @@
 A :class:`~replica.partition.plan.Plan` prices each stage over a whole step (all its
 micro-batches); :func:`stage_costs_from_plan` turns that into one micro-batch's
 :class:`~replica.schedules.simulate.StageCosts` under a schedule, and :func:`rank_memory`
-adds up what each pipeline rank holds at its fullest. Every place that predicts a step or a
+gives what each pipeline rank holds at its fullest. Every place that predicts a step or a
 peak from a plan goes through these two, so the tuner's ranking, the refined plan, the
 summary and the HTML report agree about the same plan.
 
@@ -12,9 +12,12 @@ backward split ``1 - WEIGHT_SHARE`` / ``WEIGHT_SHARE`` into B and W where the sc
 actions), their per-call parts (launches) kept apart so that graded micro-batches price
 right; a stage's outputs cross to the next stage's rank over ``device``'s link; a stage
 holds what one micro-batch's forward keeps (its saved activations, or under activation
-checkpointing its blocks' inputs: :mod:`replica.partition.recompute`) and its received inputs
-from its forward to its backward, one micro-batch's recomputed block at a time, the next
-micro-batch's inputs (received ahead), and its state (weights, gradients, optimizer) over the step.
+checkpointing its blocks' inputs: :mod:`replica.partition.recompute`) and its inputs received
+from another rank from its forward to its backward (under a split backward, its deferred
+linears' inputs and output gradients on to W), its recomputed block while a backward runs, the
+next micro-batch's inputs (received ahead), and its state (weights, optimizer; gradients from
+its first backward). :func:`rank_memory` walks each rank's actions in order
+(:func:`replica.schedules.simulate.peak_memory`): a rank's stages are full at different times.
 """
 
 from __future__ import annotations
