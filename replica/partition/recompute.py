@@ -89,8 +89,8 @@ def kept_by_selective(n: Node) -> bool:
 class Activations:
     """A stage's activations under a mode, at the traced batch: ``kept`` from each forward to its
     backward, ``peak`` held at once while one block is recomputed and backpropagated (the largest
-    block's: its rebuilt activations, and as many bytes again of their gradients while its backward
-    walks it, as measured in benchmarks/activation_memory.py), and
+    block's: its rebuilt activations and gradients of about a quarter as many bytes while its
+    backward walks it, :data:`REBUILT_HELD`, as measured in benchmarks/activation_memory.py), and
     ``again``: the ops whose forward runs again in backward. Autocast's copies of the weights a
     checkpointed region reads are not kept either: made again in its recomputation."""
 
