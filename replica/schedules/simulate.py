@@ -151,7 +151,8 @@ def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageC
     activations on stage s count from the start of F(s, i) to the end of B(s, i), but their
     ``weight_bytes``, which stay until W(s, i) ends where there is one; B(s, i) holds its
     ``backward_bytes`` while it runs, and the stage's first B makes its ``gradient_bytes``;
-    ``sizes[i]`` scales micro-batch i's."""
+    ``sizes[i]`` scales micro-batch i's. ``events`` come in time order (each rank's in its list
+    order at least)."""
     if not costs:
         return (0,) * num_ranks
     split = {(e.action.stage_index, e.action.microbatch_index) for e in events if e.action.kind == WEIGHT}
@@ -159,7 +160,7 @@ def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageC
     seen: set[int] = set()
     graded: set[int] = set()
     changes: list[list[tuple[float, int, int]]] = [[] for _ in range(num_ranks)]  # (time, order, bytes)
-    for e in sorted(events, key=lambda e: e.start_s):
+    for e in events:  # in time order (per rank: its list order), so a stage's first B comes first
         s, kind, i = e.action
         if s >= len(costs):
             raise ConfigError(f"event {e.action} names stage {s}, but costs cover {len(costs)} stages")
