@@ -359,7 +359,13 @@ def tune(
                                     c.peak_memory_bytes, c.step_time_s))
     fitting.remove(best)
     fitting.insert(0, best)
-    final = partition_for(best.layout, best.num_microbatches, True, best.recompute)
+    try:
+        final = partition_for(best.layout, best.num_microbatches, True, best.recompute)
+    except PartitionError:  # the solver's per-stage bound is stricter than the walk per rank that
+        # found the pick within the budget (a stage's fullest moment, not its rank's): the pick's own cuts
+        cut = plans[(best.layout.num_stages, best.layout.data_parallel_size, best.recompute, best.num_microbatches,
+                     best.layout.tensor_parallel_size, best.layout.sequence_parallel)]
+        final = partition_for(best.layout, best.num_microbatches, True, best.recompute, cut)
     again = _evaluate(final, best.layout, device, memory_budget, lay_out)
     if len(recompute) > 1 and again is not None and final.recompute is not False:
         final, again = _mixed(final, again, partition_for, lay_out, device, memory_budget)
