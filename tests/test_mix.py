@@ -71,3 +71,22 @@ def test_a_mixed_plan_gives_the_plain_gradients(case):
     pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, plan=plan)
     pm.train_step(inputs, target)
     assert_same_grads(pm, ref)
+
+
+def test_the_pick_keeps_its_own_cuts_where_the_final_cut_within_the_budget_fails(case, monkeypatch):
+    """The solver bounds each stage's memory more strictly than the walk per rank that found the pick
+    within the budget: where its cut fails, the pick's own cuts are priced again, not an error."""
+    from replica.planner.pricing import Pricing
+
+    want = _plan(case)
+    solve = Pricing.partition_for
+
+    def stricter(self, layout, m, *, within_budget=True, like=None, **kw):
+        if within_budget and like is None:
+            raise replica.PartitionError("the solver's bound (as a tight budget would)")
+        return solve(self, layout, m, within_budget=within_budget, like=like, **kw)
+
+    monkeypatch.setattr(Pricing, "partition_for", stricter)
+    got = _plan(case)
+    assert got.layout == want.layout and got.num_microbatches == want.num_microbatches
+    assert [s.node_names for s in got.stages] == [s.node_names for s in want.stages]
