@@ -1,18 +1,19 @@
 """Measured peak of live tensor bytes per pipeline rank beside the plan's prediction, for every recompute mode.
 
 Two gloo ranks on this CPU run the example GPT (``examples/gpt/model.py``) through a pipeline:
-1F1B over 2 stages (one a rank) and ZB-V over 4 (two a rank, in a V), fp32 and bf16 autocast,
+1F1B over 2 stages (one a rank), ZB-V over 4 (two a rank, in a V) and interleaved 1F1B over 4 (two
+a rank, looped), fp32 and bf16 autocast,
 under each recompute mode (``False``, ``1``: the first block of each stage, ``"selective"``,
 ``True``: every block). Each rank measures one ``train_step`` + ``optimizer.step()`` (after a
 warm-up step that makes Adam's state) with a tensor-level tracker, :class:`LiveBytes`: a
 ``TorchDispatchMode`` that counts each new storage an op makes until it is freed, on top of the
 storages alive when the step starts (weights, Adam's moments, buffers) -- tensor bytes, not RSS,
 which glibc's freed-but-kept memory blurs. The prediction is the planner's for that rank
-(:func:`replica.planner.costs.rank_memory`: weights, gradients, optimizer state and the
-activations the schedule holds there, as the tuner and the summary read it).
+(:func:`replica.planner.costs.rank_memory`: weights, gradients, optimizer state and what the
+rank's actions hold at once, walked in its order, as the tuner reads it).
 
 Usage: ``python benchmarks/activation_memory.py [--layers 8] [--embd 64] [--seq 64] [--batch 16]
-[--microbatches 4] [--out table.md]`` (about a minute on 2 cores).
+[--microbatches 4] [--out table.md]`` (about 40 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from replica.planner.costs import rank_memory, stage_costs_from_plan  # noqa: E4
 from replica.schedules.schedule import plan_schedule  # noqa: E402
 
 MODES: tuple[Any, ...] = (False, 1, "selective", True)
-RUNS = (("1f1b", 2), ("zb-v", 4))
+RUNS = (("1f1b", 2), ("zb-v", 4), ("interleaved", 4))
 PRECISIONS = (None, "bf16")
 
 

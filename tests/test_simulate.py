@@ -13,7 +13,7 @@ import torch
 import replica
 from replica.planner.costs import stage_costs_from_plan
 from replica.schedules.schedule import Action, format_grid, gpipe, make_schedule, one_f_one_b, placement
-from replica.schedules.simulate import Event, StageCosts, Timeline, simulate
+from replica.schedules.simulate import Event, StageCosts, Timeline, peak_memory, simulate
 from replica.viz.chrome import measured_timeline, write_chrome_trace
 from tests import models
 from tests.conftest import COMPUTE_BOUND
@@ -175,7 +175,21 @@ def test_one_f_one_b_holds_stages_left(p, m):
 def test_split_backward_frees_at_w():
     schedule = [[Action(0, "F", 0), Action(0, "B", 0), Action(0, "F", 1), Action(0, "W", 0),
                  Action(0, "B", 1), Action(0, "W", 1)]]
-    assert simulate(schedule, uniform(1, 1, 1, 1, activation_bytes=1)).peak_memory_bytes == (2,)
+    # B frees all but the deferred weight gradients' share, W the rest
+    assert simulate(schedule, uniform(1, 1, 1, 1, activation_bytes=10, weight_bytes=10)).peak_memory_bytes == (20,)
+    assert simulate(schedule, uniform(1, 1, 1, 1, activation_bytes=10, weight_bytes=3)).peak_memory_bytes == (13,)
+    assert simulate(schedule, uniform(1, 1, 1, 1, activation_bytes=10)).peak_memory_bytes == (10,)
+    assert peak_memory(schedule, uniform(1, 1, 1, 1, activation_bytes=10, weight_bytes=3)) == [13]
+
+
+def test_backward_bytes_only_while_b_runs_and_gradients_from_the_first_b():
+    schedule = [[Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 0), Action(0, "B", 1)]]
+    costs = uniform(1, activation_bytes=10, backward_bytes=5, static_bytes=100, gradient_bytes=40)
+    # static 60 before any backward; at the first B: 20 held + 5 rebuilt + 40 gradients
+    assert peak_memory(schedule, costs) == [60 + 20 + 5 + 40]
+    assert simulate(schedule, costs).peak_memory_bytes == (125,)
+    costs = uniform(1, activation_bytes=10, backward_bytes=50, static_bytes=100, gradient_bytes=40)
+    assert peak_memory(schedule, costs) == [60 + 20 + 50 + 40]  # B0's transient tops the forwards
 
 
 def test_static_bytes_sum_over_the_stages_of_a_rank():

@@ -23,15 +23,18 @@ from replica.errors import ConfigError, PartitionError
 from replica.layout import SHARDINGS, Layout, schedule_kind
 from replica.partition.blocks import block_of, find_blocks, repeated_containers
 from replica.partition.cost import CostModel
+from replica.partition.crossing import crossing_bytes, crossing_dtype
 from replica.partition.graph import INPUT, OP, Graph, Node, ParameterInfo, TensorInfo, fingerprint
 from replica.partition.plan import BoundaryTensor, MemoryBreakdown, Plan, StagePlan
 from replica.partition.recompute import (
     Activations,
     check_mode,
+    defers_weight_grad,
     kept_by_selective,
     regions,
     saves_activation,
     stage_activations,
+    weight_grad_bytes,
 )
 from replica.partition.solver import Transfer, add_rectangle, balance_groups, interval_costs, solve
 from replica.units import format_bytes
@@ -205,13 +208,6 @@ def _count_state(graph: Graph, names: Sequence[str], memory_model: MemoryModel, 
     return int(held[0]), int(held[1]), int(held[2])
 
 
-def _deferred(n: Node) -> bool:
-    """Whether ``n`` is a linear layer whose weight gradient a split backward defers
-    (:func:`replica.stage.weightgrad.defer_linear_weight_grads`): it keeps no autocast copy of
-    its weight for backward (it casts the parameter again)."""
-    return n.target.split(".")[0] in ("linear", "addmm") and bool(n.parameters)
-
-
 def _activations(graph: Graph, members: Sequence[Node], blocks: Sequence[str], mode: object) -> tuple[Activations, int]:
     """:func:`~replica.partition.recompute.stage_activations` of ``members`` (a run of ``graph``'s
     nodes), and the autocast weight copies of its largest checkpointed region: once per run,
@@ -231,7 +227,7 @@ def _activations(graph: Graph, members: Sequence[Node], blocks: Sequence[str], m
 
 
 def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[str], cm: CostModel, m: int,
-                       memory_model: MemoryModel, deferring: bool = False) -> tuple[int, int, frozenset[str]]:
+                       memory_model: MemoryModel, deferring: bool = False) -> tuple[int, int, frozenset[str], int]:
     """What the whole batch's forwards keep on a stage of ``members`` (each micro-batch's
     activations under the recompute mode, and autocast's weight copies where FSDP does not
     gather the weights already cast), the bytes its largest recomputed block rebuilds at once,
@@ -239,7 +235,7 @@ def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[s
     act, largest = _activations(graph, members, blocks, memory_model.recompute)
     # autocast's weight copies: kept per micro-batch outside checkpointed regions, made again inside
     # them (one region's at a time; a stage without blocks is its one region)
-    outside = [n for n in members if n.name not in act.inside and not (deferring and _deferred(n))]
+    outside = [n for n in members if n.name not in act.inside and not (deferring and defers_weight_grad(n))]
     copies = 0 if memory_model.sharded else m * weight_copy_bytes(graph, outside)
     rebuilt = 0 if memory_model.sharded or not act.inside else m * largest
     # k blocks: the first ones, rebuilt last, when the later blocks' kept activations are freed;
@@ -247,7 +243,29 @@ def _stage_activations(graph: Graph, members: Sequence[Node], blocks: Sequence[s
     # fit again when it is cut within the budget)
     k = memory_model.recompute
     extra = act.extra if isinstance(k, int) and not isinstance(k, bool) else act.peak
-    return int(cm.scaled(act.kept)) + copies, int(cm.scaled(extra)) + rebuilt, act.again
+    # a split backward holds each deferred linear's input and output gradient from B to W
+    held = int(cm.scaled(weight_grad_bytes(members, graph, act.inside))) if deferring else 0
+    return int(cm.scaled(act.kept + _cast_outputs(graph, members, act))) + copies, int(cm.scaled(extra)) + rebuilt, \
+        act.again, held
+
+
+def _cast_outputs(graph: Graph, members: Sequence[Node], act: Any) -> int:
+    """What ``act`` over-counts of the fp32 values every reader casts under autocast (a norm's
+    output read by linears, :mod:`replica.partition.crossing`): autograd keeps each reader's
+    cast copy on the stage, and of one that leaves the stage the cast that crosses the cut, not
+    the fp32 value. Bytes to add (<= 0)."""
+    names = {n.name for n in members}
+    change = 0
+    assert act.by_node is not None
+    for n in members:
+        if n.name not in act.by_node or not n.users:
+            continue
+        readers = [graph[u] for u in n.users]
+        cast = crossing_bytes(n, readers)
+        if cast < n.output_bytes:
+            copies = sum(u in names for u in n.users) + any(u not in names for u in n.users)
+            change += min(cast * copies, act.by_node[n.name]) - act.by_node[n.name]
+    return change
 
 
 def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
@@ -336,6 +354,7 @@ def partition(
     bounds: Sequence[int] | None = None,
     stage_ranks: Sequence[int] | None = None,
     together: Sequence[Sequence[str]] = (),
+    stage_recompute: Sequence[bool | str | int] | None = None,
 ) -> Plan:
     """Cut ``graph`` into ``num_stages`` contiguous stages (in its topological order) so that
     the slowest stage — its compute plus everything it sends and receives — is as fast as
@@ -350,7 +369,8 @@ def partition(
     ``stage_ranks[k]`` is the rank stage k runs on: where a rank holds several stages
     (interleaved, V), the cuts then move to balance each rank's sum, not only each stage.
     ``together``: groups of node names no cut may fall between (the first and the last of
-    each), as the structures cut across tensor-parallel ranks.
+    each), as the structures cut across tensor-parallel ranks. ``stage_recompute``: each stage's
+    recompute mode, where they differ (default: ``memory_model.recompute`` for every stage).
     """
     models = list(cost_model) if isinstance(cost_model, (list, tuple)) else [cost_model] * num_stages
     if len(models) != num_stages:
@@ -367,6 +387,11 @@ def partition(
         in_flight_microbatches(schedule, k, num_stages, m) for k in range(num_stages)
     ]
     budgets = _budgets(memory_budget, models, num_stages)
+    if stage_recompute is not None and len(stage_recompute) != num_stages:
+        raise ConfigError(f"stage_recompute has {len(stage_recompute)} modes for num_stages={num_stages}; "
+                          "give one per stage")
+    mode_of = [check_mode(x) for x in stage_recompute] if stage_recompute is not None else \
+        [memory_model.recompute] * num_stages
     index = {n.name: i for i, n in enumerate(nodes)}
 
     if bounds is not None:
@@ -378,7 +403,7 @@ def partition(
         worst = max(sum(models[k].forward_time(n, m) + models[k].backward_time(n, m)
                         for n in nodes[bounds[k]:bounds[k + 1]]) for k in range(num_stages))
         plan = _describe(graph, models, bounds, worst, m, schedule, flights, memory_model, lat, True, 0.0,
-                         stage_ranks)
+                         stage_ranks, mode_of)
         step = max(st.predicted_time_s for st in plan.stages) * (m + num_stages - 1) / m
         return dataclasses.replace(plan, predicted_step_time_s=step)
 
@@ -413,24 +438,26 @@ def partition(
     num_seg = len(edges) - 1
 
     # --- time: compute + communication per device kind --------------------------------------
-    transfers_by_model: dict[int, np.ndarray] = {}
+    transfers_by_model: dict[tuple[int, str], np.ndarray] = {}
     latency = [2 * cm.transfer_time(0, num_messages=m) for cm in models]
 
     def time_matrix(k: int) -> np.ndarray:
         """Stage k's time matrix (a fresh copy: the caller may write infinities into it)."""
         cm = models[k]
-        key = id(cm)
+        key = (id(cm), repr(mode_of[k]))
         if key not in transfers_by_model:
+            again = modes_of(mode_of[k]).again
             items = np.zeros(num_seg)
             for i, n in enumerate(nodes):
-                items[seg_of[i]] += (1 + modes.again[i]) * cm.forward_time(n, m) + cm.backward_time(n, m)
+                items[seg_of[i]] += (1 + again[i]) * cm.forward_time(n, m) + cm.backward_time(n, m)
             transfers = []
             for i, n in enumerate(nodes):
                 readers = tuple(sorted({int(seg_of[index[u]]) for u in n.users} - {int(seg_of[i])}))
                 if readers:
                     directions = 2 if any(t.is_floating for t in n.outputs) else 1
+                    sent = crossing_bytes(n, [graph[u] for u in n.users])  # as cast for all its readers
                     transfers.append(Transfer(int(seg_of[i]), readers,
-                                              directions * cm.transfer_time(cm.scaled(n.output_bytes), num_messages=0)))
+                                              directions * cm.transfer_time(cm.scaled(sent), num_messages=0)))
             c = interval_costs(items, transfers)
             c[1:, :] += latency[k]  # every stage but the first receives (and returns gradients)
             c[:, :-1] += latency[k]  # every stage but the last sends
@@ -438,16 +465,23 @@ def partition(
         return transfers_by_model[key].copy()
 
     # --- memory ---------------------------------------------------------------------------
-    modes = _modes(graph, memory_model.recompute)
     fraction = models[0].batch_fraction
-    deferred = frozenset(x.name for x in nodes if _deferred(x)) if schedule_kind(schedule).splits_backward \
+    deferred = frozenset(x.name for x in nodes if defers_weight_grad(x)) if schedule_kind(schedule).splits_backward \
         else frozenset()
-    matrices: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    by_mode: dict[str, _Priced] = {}
+    modes_by: dict[str, Any] = {}
 
-    def memory() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(static, kept per micro-batch, rebuilt per micro-batch, received) per stage [i, j), made
-        on first use: a cut without a budget (the tuner's) never reads them."""
-        if not matrices:
+    def modes_of(mode: bool | str | int) -> Any:
+        """A mode's per-node prices (what the time matrices read; memory is priced on first use)."""
+        if repr(mode) not in modes_by:
+            modes_by[repr(mode)] = _modes(graph, mode)
+        return modes_by[repr(mode)]
+
+    def priced(mode: bool | str | int) -> _Priced:
+        """A mode's per-node prices and its ``[i, j)`` memory matrices (one micro-batch's), made on
+        first use: a cut without a budget (the tuner's) never reads them."""
+        if repr(mode) not in by_mode:
+            modes = modes_of(mode)
             static, copies, recv = _memory_matrices(graph, seg_of, num_seg, memory_model, m, fraction,
                                                     modes.inside | deferred)
             kept = _segment_sums(modes.kept * fraction / m, seg_of, num_seg) + copies  # a micro-batch's
@@ -458,14 +492,14 @@ def partition(
                 rebuilt = np.where(blocks_in > 0, modes.peak * fraction / m, 0.0)
                 if modes.k:
                     kept = kept - np.minimum(blocks_in, modes.k) * modes.saving * fraction / m
-            matrices.append((static, kept, rebuilt, recv))
-        return matrices[0]
+            by_mode[repr(mode)] = _Priced(modes, static, kept, rebuilt, recv)
+        return by_mode[repr(mode)]
 
     def memory_matrix(k: int) -> np.ndarray:
         # kept activations per micro-batch in flight, one micro-batch's recomputed block, and
         # the received inputs of the micro-batches in flight and the next (held_activations)
-        static, kept, rebuilt, recv = memory()
-        return static + held_activations(kept * m, rebuilt * m, recv, flights[k], m)
+        p = priced(mode_of[k])
+        return p.static + held_activations(p.kept * m, p.rebuilt * m, p.recv, flights[k], m)
 
     def stage_cost(k: int) -> np.ndarray:
         c = time_matrix(k)
@@ -474,7 +508,8 @@ def partition(
         return c
 
     # no budget and one device kind: every stage's matrix is the same, made once (the tuner's cuts)
-    alike = all(b == INF for b in budgets) and len({id(cm) for cm in models}) == 1
+    alike = all(b == INF for b in budgets) and len({id(cm) for cm in models}) == 1 \
+        and len({repr(x) for x in mode_of}) == 1
     costs = time_matrix(0) if alike else stage_cost
 
     units = [fsdp_unit(x.module_path or "") for x in nodes]  # a node's block: model.layers.3, or ""
@@ -483,8 +518,8 @@ def partition(
     try:
         result = solve(costs, num_stages, preferred_cuts=at_block if at_block.any() else None, tie=BLOCK_TIE)
     except ValueError:
-        static, kept, rebuilt, recv = memory()
-        raise _infeasible(graph, num_stages, budgets, (static, kept * m, rebuilt * m, recv), schedule, m,
+        p = priced(mode_of[0])
+        raise _infeasible(graph, num_stages, budgets, (p.static, p.kept * m, p.rebuilt * m, p.recv), schedule, m,
                           num_seg) from None
 
     seg_bounds, bottleneck = list(result.bounds), result.bottleneck
@@ -496,20 +531,22 @@ def partition(
         def cost_at(k: int, i: int, j: int) -> float:
             if budgets[k] < INF and memory_model_at(k, i, j) > budgets[k]:
                 return INF
-            return float(transfers_by_model[id(models[k])][i, j])
+            return float(transfers_by_model[id(models[k]), repr(mode_of[k])][i, j])
 
         def memory_model_at(k: int, i: int, j: int) -> float:
-            static, kept, rebuilt, recv = memory()
-            return float(static[i, j] + held_activations(kept[i, j] * m, rebuilt[i, j] * m, recv[i, j], flights[k], m))
+            p = priced(mode_of[k])
+            return float(p.static[i, j] + held_activations(p.kept[i, j] * m, p.rebuilt[i, j] * m, p.recv[i, j],
+                                                           flights[k], m))
 
         seg_bounds = balance_groups(cost_at, seg_bounds, groups)
         bottleneck = max(cost_at(k, seg_bounds[k], seg_bounds[k + 1]) for k in range(num_stages))
     bounds = [edges[b] for b in seg_bounds]
-    work = [(1 + modes.again[i]) * models[0].forward_time(n, m) + models[0].backward_time(n, m)
+    again = np.min([priced(x).modes.again for x in mode_of], axis=0)  # no stage reruns less
+    work = [(1 + again[i]) * models[0].forward_time(n, m) + models[0].backward_time(n, m)
             for i, n in enumerate(nodes)]
     lower_bound = max(sum(work) / num_stages, max(work)) if len({id(x) for x in models}) == 1 else 0.0
     return _describe(graph, models, bounds, bottleneck, m, schedule, flights, memory_model, latency,
-                     exact, lower_bound, stage_ranks)
+                     exact, lower_bound, stage_ranks, mode_of)
 
 
 def _budgets(memory_budget: float | Sequence[float] | None, models: list[CostModel], k: int) -> list[float]:
@@ -574,7 +611,7 @@ def _memory_matrices(
     for i, x in enumerate(nodes):
         readers = sorted({int(seg_of[index[u]]) for u in x.users} - {int(seg_of[i])})
         # received by [i, j) iff the producer is before i and a reader inside
-        _add_reads(recv_d, int(seg_of[i]), readers, n, x.output_bytes * fraction)
+        _add_reads(recv_d, int(seg_of[i]), readers, n, crossing_bytes(x, [graph[u] for u in x.users]) * fraction)
     recv = np.cumsum(np.cumsum(recv_d, axis=0), axis=1)[: n + 1, : n + 1]
     return static, copies, recv
 
@@ -593,6 +630,17 @@ def held_activations(kept: Any, rebuilt: Any, received: Any, in_flight: int, m: 
     inputs for the micro-batches in flight and the next one, whose receive the runtime posts
     while the last backward runs (at most all ``m``)."""
     return (kept * in_flight + rebuilt + received * min(in_flight + 1, m)) / m
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """A recompute mode's per-node prices and the solver's ``[i, j)`` memory matrices under it."""
+
+    modes: "_Modes"
+    static: np.ndarray
+    kept: np.ndarray
+    rebuilt: np.ndarray
+    recv: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -716,7 +764,7 @@ def _fingerprint(graph: Graph) -> str:
 def _describe(
     graph: Graph, models: list[CostModel], bounds: list[int], bottleneck: float, m: int, schedule: str,
     flights: list[int], memory_model: MemoryModel, latency: list[float], exact: bool, lower_bound: float,
-    stage_ranks: Sequence[int] | None = None,
+    stage_ranks: Sequence[int] | None = None, mode_of: Sequence[bool | str | int] | None = None,
 ) -> Plan:
     nodes = graph.nodes
     num_stages = len(bounds) - 1
@@ -729,9 +777,11 @@ def _describe(
         if not later:
             continue
         t = n.outputs[0] if len(n.outputs) == 1 else None
+        # under autocast a value every reader casts crosses cast (replica.partition.crossing)
+        readers = [graph[u] for u in n.users if stage_of[index[u]] != stage_of[i]]
         b = BoundaryTensor(
-            n.name, stage_of[i], tuple(later), t.shape if t else None, t.dtype if t else None,
-            int(models[stage_of[i]].scaled(n.output_bytes)),
+            n.name, stage_of[i], tuple(later), t.shape if t else None, crossing_dtype(n, readers) if t else None,
+            int(models[stage_of[i]].scaled(crossing_bytes(n, readers))),
         )
         outgoing[stage_of[i]].append(b)
         for k in later:
@@ -748,7 +798,10 @@ def _describe(
         params = held[k]
         parameters, gradients, optimizer = _state_bytes(graph, params, memory_model, units, m > 1)
         blocks = find_blocks([n.module_path for n in members], containers)
-        saved, rebuilt, again = _stage_activations(graph, members, blocks, cm, m, memory_model, deferring)
+        mode = mode_of[k] if mode_of is not None else memory_model.recompute
+        held_model = memory_model if repr(mode) == repr(memory_model.recompute) else \
+            dataclasses.replace(memory_model, recompute=mode)
+        saved, rebuilt, again, weight_held = _stage_activations(graph, members, blocks, cm, m, held_model, deferring)
         received = sum(b.nbytes for b in incoming[k])
         # the per-call part: what a call costs whatever the micro-batch size
         fixed_fwd = sum(cm.call_overhead(n) for n in members)
@@ -790,10 +843,11 @@ def _describe(
             fixed_backward_s=fixed_bwd + sum(cm.call_overhead(n) for n in members if n.name in again),
             tensor_parallel_s=tensor_parallel,
             tensor_parallel_bytes=int(tensor_parallel_bytes),
-            recompute=memory_model.recompute,
+            recompute=mode,
             blocks=blocks,
             recompute_bytes=rebuilt,
             in_flight=flights[k],
+            weight_grad_bytes=weight_held,
         ))
     step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}

@@ -91,6 +91,9 @@ class StagePlan:
     blocks: tuple[str, ...] = ()
     recompute_bytes: int = 0
     in_flight: int = 1
+    # under a split backward (zero-bubble), what the stage's deferred linears hold from each B to its W
+    # over the whole step (their inputs and output gradients: replica.partition.recompute.weight_grad_bytes)
+    weight_grad_bytes: int = 0
 
     @property
     def recompute_note(self) -> str:
@@ -251,6 +254,8 @@ class Plan:
         modes = {repr(s.recompute) for s in self.stages if s.recompute is not False and s.recompute != 0}
         if not modes:
             return ", recomputing activations" if self.recompute else ""
+        if len(modes) == 1 and any(s.recompute is False or s.recompute == 0 for s in self.stages):
+            return ", activation checkpointing per stage"  # a mix: some stages keep everything
         if modes == {"True"}:
             return ", checkpointing every block"
         if modes == {"'selective'"}:
@@ -405,6 +410,7 @@ class Plan:
                     tensor_parallel_bytes=s.get("tensor_parallel_bytes", 0),
                     recompute=s.get("recompute", False), blocks=tuple(s.get("blocks", ())),
                     recompute_bytes=s.get("recompute_bytes", 0), in_flight=s.get("in_flight", 1),
+                    weight_grad_bytes=s.get("weight_grad_bytes", 0),
                 )
                 for s in data.pop("stages")
             )

@@ -25,12 +25,16 @@ from typing import Sequence
 
 from replica.errors import ConfigError
 from replica.partition.blocks import block_of
-from replica.partition.graph import INPUT, OP, Node
+from replica.partition.graph import INPUT, OP, Graph, Node, TensorInfo
 
 __all__ = ["MODES", "check_mode", "saves_activation", "kept_by_selective", "stage_activations", "Activations",
-           "regions", "describe_mode", "needs_blocks"]
+           "regions", "describe_mode", "needs_blocks", "defers_weight_grad", "weight_grad_bytes"]
 
 MODES = (False, True, "selective")  # and any int k >= 0
+# a recomputed block's backward holds its rebuilt activations and, as it walks them, gradients of
+# about a quarter as many bytes again (measured 0.95-1.26x the rebuilt bytes, benchmarks/RESULTS.md,
+# activation_memory.py)
+REBUILT_HELD = 1.25
 # ops whose outputs selective checkpointing keeps (the traced graph's names; stage/checkpoint.py
 # keeps the aten ops they run as)
 _KEPT = frozenset({"linear", "addmm", "mm", "bmm", "baddbmm", "matmul", "einsum", "conv1d", "conv2d", "conv3d",
@@ -86,8 +90,8 @@ def kept_by_selective(n: Node) -> bool:
 class Activations:
     """A stage's activations under a mode, at the traced batch: ``kept`` from each forward to its
     backward, ``peak`` held at once while one block is recomputed and backpropagated (the largest
-    block's: its rebuilt activations, and as many bytes again of their gradients while its backward
-    walks it, as measured in benchmarks/activation_memory.py), and
+    block's: its rebuilt activations and gradients of about a quarter as many bytes while its
+    backward walks it, :data:`REBUILT_HELD`, as measured in benchmarks/activation_memory.py), and
     ``again``: the ops whose forward runs again in backward. Autocast's copies of the weights a
     checkpointed region reads are not kept either: made again in its recomputation."""
 
@@ -122,7 +126,8 @@ def _block_of(module_path: str) -> str | None:
 def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: object) -> Activations:
     """What ``members`` (a stage's nodes, in order) keep and rebuild under ``mode``, with ``blocks``
     the stage's blocks. A block's inputs made on another stage arrive as the stage's inputs and
-    are priced as received, not here."""
+    are priced as received, not here; the stage's own outputs are kept (the runtime holds them
+    for their gradients) even where a checkpointed block made them."""
     mode = check_mode(mode)
     saved_all = {n.name: n.output_bytes for n in members if saves_activation(n)}
     if mode is False or mode == 0:
@@ -144,10 +149,10 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
         if mode == "selective":
             keep = {n.name for n in span if kept_by_selective(n)}
             kept_selective.update((x, here[x].output_bytes) for x in keep)
-            rebuilt.append((span[-1].name, 2 * (saved - sum(saved_all.get(x, 0) for x in keep))))
+            rebuilt.append((span[-1].name, REBUILT_HELD * (saved - sum(saved_all.get(x, 0) for x in keep))))
             again |= names - keep
         else:
-            rebuilt.append((span[-1].name, 2 * saved))
+            rebuilt.append((span[-1].name, REBUILT_HELD * saved))
             again |= names
         for n in span:  # the block's inputs made on this stage (received ones are priced as received)
             for a in n.inputs:
@@ -158,6 +163,10 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
     by_node.update((name, b) for name, b in kept_inputs.items() if name in inside or name not in saved_all)
     for name, b in kept_selective.items():
         by_node[name] = max(by_node.get(name, 0), b)  # an output both kept and a block's input: once
+    for n in members:  # what the stage hands on is held from its forward to its backward (the
+        # gradient of its outputs flows into them), checkpointed or not
+        if n.kind == OP and any(u not in here for u in n.users) and any(t.is_floating for t in n.outputs):
+            by_node[n.name] = max(by_node.get(n.name, 0), n.output_bytes)
     # a region is rebuilt when backward reaches it: what the forward kept after it is freed by then
     order = {n.name: i for i, n in enumerate(members)}
     total = sum(by_node.values())
@@ -165,3 +174,32 @@ def stage_activations(members: Sequence[Node], blocks: Sequence[str], mode: obje
                  for last, held in rebuilt), default=0)
     return Activations(total, max((held for _, held in rebuilt), default=0), frozenset(again), by_node,
                        frozenset(inside), max(extra, 0))
+
+
+def defers_weight_grad(n: Node) -> bool:
+    """Whether ``n`` is a linear layer whose weight gradient a split backward defers to W
+    (:func:`replica.stage.weightgrad.defer_linear_weight_grads`, outside checkpointed blocks)."""
+    return n.kind == OP and n.target.split(".")[0] in ("linear", "addmm") and bool(n.parameters)
+
+
+def weight_grad_bytes(members: Sequence[Node], graph: Graph, inside: frozenset[str]) -> int:
+    """What a split backward holds of ``members`` (a stage's nodes) from a micro-batch's B to its W,
+    at the traced batch: each deferred linear's input, as it saves it (cast to its compute dtype:
+    under autocast a copy per linear, else the input itself, once), and its output's gradient.
+    A checkpointed block's linears (``inside``) compute their weight gradients in B: none."""
+    held: dict[str, int] = {}
+    grads = 0
+    for n in members:
+        if not defers_weight_grad(n) or n.name in inside or not n.outputs:
+            continue
+        out = n.outputs[0]
+        grads += out.nbytes
+        x = next((graph[a] for a in n.inputs if graph[a].outputs), None)
+        if x is None:
+            continue
+        t = x.outputs[0]
+        if t.dtype == out.dtype:
+            held[x.name] = t.nbytes
+        else:  # autocast's cast of the input: one per linear
+            held[f"{n.name}:input"] = TensorInfo(t.shape, out.dtype).nbytes
+    return grads + sum(held.values())

@@ -2,7 +2,8 @@
 
 Each stage module takes the values it receives (in the order of the plan's
 ``inputs``) and returns a tuple of the values later stages read (the plan's
-``outputs``); the last stage returns the model's own output. Sub-modules and
+``outputs``; under autocast, a value every reader casts leaves cast:
+:mod:`replica.partition.crossing`); the last stage returns the model's own output. Sub-modules and
 parameters are shared by reference with the user's model, under their original
 names, so ``stage.named_parameters()`` yields ``transformer.h.0.attn.c_attn.weight``
 and a tied weight held by two stages is the same ``Parameter``.
@@ -18,11 +19,12 @@ import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 
 from replica.errors import ConfigError
-from replica.partition.graph import fingerprint
+from replica.partition.crossing import HALF
+from replica.partition.graph import Node, fingerprint
 from replica.partition.holding import hold_tensor
 from replica.partition.modes import uses_rng
 from replica.partition.mutation import mutated_inputs
-from replica.partition.plan import Plan
+from replica.partition.plan import BoundaryTensor, Plan
 from replica.partition.trace import Traced
 
 __all__ = ["StageModule", "split"]
@@ -57,6 +59,15 @@ def _hold_from(gm: fx.GraphModule, stage: fx.GraphModule, name: str, held: set[i
     tensor = getattr(owner, field)
     if id(tensor) not in held:
         hold_tensor(stage, name, tensor, field not in owner._non_persistent_buffers_set)
+
+
+def _as_sent(g: fx.Graph, value: fx.Node, node: Node, b: BoundaryTensor) -> fx.Node:
+    """``value`` cast to the dtype the plan sends it in, where that is autocast's and not its own
+    (every reader would cast it: :mod:`replica.partition.crossing`)."""
+    own = node.outputs[0].dtype if len(node.outputs) == 1 else None
+    if b.dtype in HALF and own == "float32":
+        return g.call_method("to", (value, getattr(torch, b.dtype)))
+    return value
 
 
 def split(traced: Traced, plan: Plan) -> list[StageModule]:
@@ -99,7 +110,7 @@ def split(traced: Traced, plan: Plan) -> list[StageModule]:
                 env[n.name] = g.node_copy(n, lookup)
         is_last = k == plan.num_stages - 1
         if not is_last:
-            g.output(tuple(env[b.name] for b in s.outputs))
+            g.output(tuple(_as_sent(g, env[b.name], traced.graph[b.name], b) for b in s.outputs))
         g.lint()
         module = fx.GraphModule(gm, g, class_name=f"Stage{k}")
         reads = {id(t) for t in [*module.parameters(), *module.buffers()]}

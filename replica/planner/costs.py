@@ -3,7 +3,7 @@
 A :class:`~replica.partition.plan.Plan` prices each stage over a whole step (all its
 micro-batches); :func:`stage_costs_from_plan` turns that into one micro-batch's
 :class:`~replica.schedules.simulate.StageCosts` under a schedule, and :func:`rank_memory`
-adds up what each pipeline rank holds at its fullest. Every place that predicts a step or a
+gives what each pipeline rank holds at its fullest. Every place that predicts a step or a
 peak from a plan goes through these two, so the tuner's ranking, the refined plan, the
 summary and the HTML report agree about the same plan.
 
@@ -12,9 +12,12 @@ backward split ``1 - WEIGHT_SHARE`` / ``WEIGHT_SHARE`` into B and W where the sc
 actions), their per-call parts (launches) kept apart so that graded micro-batches price
 right; a stage's outputs cross to the next stage's rank over ``device``'s link; a stage
 holds what one micro-batch's forward keeps (its saved activations, or under activation
-checkpointing its blocks' inputs: :mod:`replica.partition.recompute`) and its received inputs
-from its forward to its backward, one micro-batch's recomputed block at a time, the next
-micro-batch's inputs (received ahead), and its state (weights, gradients, optimizer) over the step.
+checkpointing its blocks' inputs: :mod:`replica.partition.recompute`) and its inputs received
+from another rank from its forward to its backward (under a split backward, its deferred
+linears' inputs and output gradients on to W), its recomputed block while a backward runs, the
+next micro-batch's inputs (received ahead), and its state (weights, optimizer; gradients from
+its first backward). :func:`rank_memory` walks each rank's actions in order
+(:func:`replica.schedules.simulate.peak_memory`): a rank's stages are full at different times.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from replica.partition.cost import DeviceSpec, device_spec
 from replica.partition.plan import Plan
 from replica.schedules.actions import Action, placement, splits_backward
 from replica.schedules.schedule import WEIGHT_SHARE, max_in_flight
-from replica.schedules.simulate import StageCosts
+from replica.schedules.simulate import StageCosts, peak_memory
 
 __all__ = ["stage_costs_from_plan", "rank_memory"]
 
@@ -46,14 +49,6 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
     split = splits_backward(schedule)
     share = 1 - WEIGHT_SHARE if split else 1.0
     flights = max_in_flight(schedule, plan.num_stages)
-    # a rank rebuilds one micro-batch's block at a time, whichever of its stages runs a backward:
-    # counted on the rank's stage that rebuilds most
-    rebuilding = {}
-    for stage in plan.stages:
-        r = where[stage.stage_index]
-        if stage.recompute_bytes > plan.stages[rebuilding.get(r, stage.stage_index)].recompute_bytes \
-                or r not in rebuilding:
-            rebuilding[r] = stage.stage_index
     costs = []
     for stage in plan.stages:
         k = stage.stage_index
@@ -64,18 +59,23 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
             send = sum(b.nbytes for b in stage.outputs) / m / link.link_bandwidth + link.link_latency_s
         memory = stage.memory
         one = int(stage.activation_bytes / m)  # what one micro-batch's forward keeps
-        received = sum(b.nbytes for b in stage.inputs) / m  # one micro-batch's inputs
+        # one micro-batch's inputs from other ranks (one made on this rank is its producer's output,
+        # held there until the producer's backward, which comes after this stage's)
+        received = sum(b.nbytes for b in stage.inputs if where[b.source_stage] != where[k]) / m
         costs.append(StageCosts(
             forward_s=forward,
             backward_s=backward * share,
             weight_s=backward * WEIGHT_SHARE if split else 0.0,
             send_s=send,
-            # per micro-batch in flight: what its forward keeps and its received inputs; once: one
-            # micro-batch's recomputed block, and the next micro-batch's inputs, received ahead
+            # per micro-batch in flight: what its forward keeps and its received inputs (under a
+            # split backward its deferred linears' share until W); while its backward runs: its
+            # recomputed block; once: the next micro-batch's inputs, received ahead
             activation_bytes=int(one + received),
+            weight_bytes=int(stage.weight_grad_bytes / m) if split else 0,
+            backward_bytes=int(stage.recompute_bytes / m),
+            gradient_bytes=int(memory.gradients),
             static_bytes=int(memory.parameters + memory.gradients + memory.optimizer
-                             + (received if flights[k] < m else 0)
-                             + (stage.recompute_bytes / m if rebuilding[where[k]] == k else 0)),
+                             + (received if flights[k] < m else 0)),
             forward_fixed_s=min(stage.fixed_forward_s, forward),
             backward_fixed_s=min(stage.fixed_backward_s * share, backward * share),
             input_grad_share=1 - WEIGHT_SHARE if plan.sends_input_grads_early and not split else 1.0,
@@ -85,13 +85,9 @@ def stage_costs_from_plan(plan: Plan, schedule: Sequence[Sequence[Action]], *,
 
 def rank_memory(costs: Sequence[StageCosts], schedule: Sequence[Sequence[Action]]) -> list[float]:
     """Per pipeline rank of ``schedule``, the bytes it holds at its fullest: its stages' static
-    bytes, and each stage's activations times the micro-batches the schedule holds on it at once."""
-    where = placement(schedule)
-    flights = max_in_flight(schedule, len(costs))
-    memory = [0.0] * len(schedule)
-    for k, c in enumerate(costs):
-        memory[where[k]] += c.static_bytes + c.activation_bytes * flights[k]
-    return memory
+    bytes, and the activations its actions hold at once, walked in its order
+    (:func:`replica.schedules.simulate.peak_memory`)."""
+    return [float(b) for b in peak_memory(schedule, costs)]
 
 
 def _device(name: str) -> DeviceSpec:

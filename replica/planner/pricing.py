@@ -335,14 +335,16 @@ class Pricing:
         return self._shapes[key]
 
     def partition_for(self, layout: Layout, num_microbatches: int, *, within_budget: bool = True,
-                      recompute: bool | str | int = False, simulated: bool = True, like: Plan | None = None) -> Plan:
+                      recompute: bool | str | int | tuple[bool | str | int, ...] = False, simulated: bool = True,
+                      like: Plan | None = None) -> Plan:
         """The plan of ``layout`` with ``num_microbatches`` micro-batches per replica, priced
         at each replica's share of the batch (even micro-batches, nothing rebuilt: see
         :func:`replica.planner.refine.finish`). ``simulated=False`` leaves out the step's
         simulation and the replicas' collectives (``predicted_step_time_s`` stays the cut's
         estimate): the tuner's cuts, which it simulates in each layout itself. ``like``: a plan
         of as many stages whose cuts to keep (priced again, not solved again: the tuner's cut of
-        the same stages at another micro-batch count)."""
+        the same stages at another micro-batch count). ``recompute``: every stage's mode, or a tuple
+        of one per stage (the plan's own ``recompute`` is then True where any stage checkpoints)."""
         m = num_microbatches
         replicas = layout.data_parallel_size
         share = self.global_batch // replicas
@@ -368,8 +370,12 @@ class Pricing:
             where, flights = placement(schedule_data), max_in_flight(schedule_data, layout.num_stages)
         else:
             where, flights = self._placement(layout, m)
+        per_stage = recompute if isinstance(recompute, tuple) else None
+        if per_stage is not None:
+            recompute = per_stage[0] if len(set(map(repr, per_stage))) == 1 else \
+                any(x is not False and x != 0 for x in per_stage)
         result = partition(self.graph_for(t, layout.sequence_parallel), models, num_stages=layout.num_stages,
-                           num_microbatches=m,
+                           num_microbatches=m, stage_recompute=per_stage,
                            schedule=layout.schedule, memory_model=self.memory_model_for(layout, recompute),
                            memory_budget=self.memory_budget if within_budget else None,
                            in_flight=flights,

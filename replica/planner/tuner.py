@@ -25,6 +25,7 @@ from replica.partition.cost import DeviceSpec
 from replica.partition.partitioner import held_activations
 from replica.partition.plan import Plan
 from replica.planner.costs import rank_memory, stage_costs_from_plan
+from replica.planner.mix import mix_recompute, rank_peaks
 from replica.planner.options import PlannerOptions
 from replica.schedules.schedule import (
     WEIGHT_SHARE,
@@ -50,7 +51,7 @@ class Candidate:
     step_time_s: float
     peak_memory_bytes: int
     fits: bool
-    recompute: bool | str | int = False
+    recompute: bool | str | int | tuple[bool | str | int, ...] = False  # one mode, or each stage's
     bubble: float = -1.0
 
     def describe(self) -> str:
@@ -358,8 +359,18 @@ def tune(
                                     c.peak_memory_bytes, c.step_time_s))
     fitting.remove(best)
     fitting.insert(0, best)
-    final = partition_for(best.layout, best.num_microbatches, True, best.recompute)
+    try:
+        final = partition_for(best.layout, best.num_microbatches, True, best.recompute)
+    except PartitionError:  # the solver's per-stage bound is stricter than the walk per rank that
+        # found the pick within the budget (a stage's fullest moment, not its rank's): the pick's own cuts
+        cut = plans[(best.layout.num_stages, best.layout.data_parallel_size, best.recompute, best.num_microbatches,
+                     best.layout.tensor_parallel_size, best.layout.sequence_parallel)]
+        final = partition_for(best.layout, best.num_microbatches, True, best.recompute, cut)
     again = _evaluate(final, best.layout, device, memory_budget, lay_out)
+    if len(recompute) > 1 and again is not None and final.recompute is not False:
+        final, again = _mixed(final, again, partition_for, lay_out, device, memory_budget)
+        best = dataclasses.replace(best, recompute=again.recompute)
+        fitting[0] = best
     step = again.step_time_s if again is not None else best.step_time_s
     # the next best layouts: each (layout, micro-batches) once, in its fastest recompute mode
     named = {(best.layout, best.num_microbatches)}
@@ -369,6 +380,24 @@ def tune(
     plan = dataclasses.replace(final, layout=best.layout, predicted_step_time_s=step, alternatives=alternatives,
                                simulated_bubble=again.bubble if again is not None else final.simulated_bubble)
     return plan, fitting + sorted((c for c in candidates if not c.fits), key=step_time)
+
+
+def _mixed(plan: Plan, found: Candidate, partition_for: Callable[..., Plan], lay_out: LayOut, device: DeviceSpec,
+           budget: float) -> tuple[Plan, Candidate]:
+    """``plan`` (and its candidate ``found``) or, where faster and within ``budget``, a mix of
+    recompute modes per stage (:func:`replica.planner.mix.mix_recompute`)."""
+    layout, m = found.layout, found.num_microbatches
+    forward, backward = [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages]
+    schedule = make_schedule(layout.schedule, plan.num_stages, m, layout.pipeline_ranks, check=False,
+                             durations=durations_of(forward, backward), stage_scale=stage_scale_of(forward, backward))
+    mixes = mix_recompute(plan, layout, schedule,
+                          price=lambda modes, like: partition_for(layout, m, like is None, modes, like),
+                          memory=rank_peaks(lay_out, layout, device), budget=budget)
+    for mixed in mixes:
+        c = _evaluate(mixed, layout, device, budget, lay_out)
+        if c is not None and c.fits and c.step_time_s < found.step_time_s:
+            plan, found = mixed, dataclasses.replace(c, recompute=tuple(s.recompute for s in mixed.stages))
+    return plan, found
 
 
 def _no_fit(candidates: list[Candidate], world_size: int, budget: float) -> PartitionError:

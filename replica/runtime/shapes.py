@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
 from replica.errors import PipelineError
 from replica.parallel.fsdp import drop_dtype_asserts
+from replica.partition.crossing import HALF
 from replica.partition.plan import StagePlan
 from replica.precision import ambient_autocast
 
@@ -287,7 +288,7 @@ class ShapeOracle:
                 value = value if self.out_spec is None else tree_unflatten(list(value), self.out_spec)
                 out[name] = tree_map(self._output_meta, value)
             elif isinstance(value, torch.Tensor):
-                out[name] = self._tensor_meta(value)
+                out[name] = self._tensor_meta(value, self.boundary[name].dtype)
             elif _symbolic(value):
                 raise self._value_error(name, value)
             else:
@@ -300,8 +301,13 @@ class ShapeOracle:
         return DATA_DEPENDENT if _symbolic(value) else _plain(value, self.device)
 
     @staticmethod
-    def _tensor_meta(value: torch.Tensor) -> TensorMeta:
-        return TensorMeta(tuple(_size(d) for d in value.shape), value.dtype,
+    def _tensor_meta(value: torch.Tensor, sent: str | None = None) -> TensorMeta:
+        """``value``'s meta; ``sent``: the dtype the plan sends it in, where its stage casts it to
+        autocast's (:mod:`replica.partition.crossing`)."""
+        dtype = value.dtype
+        if sent in HALF and dtype == torch.float32:
+            dtype = getattr(torch, sent)
+        return TensorMeta(tuple(_size(d) for d in value.shape), dtype,
                           value.requires_grad and value.dtype.is_floating_point)
 
     def _where(self, node: fx.Node) -> str:

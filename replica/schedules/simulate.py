@@ -26,7 +26,7 @@ from replica.errors import ConfigError
 from replica.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, placement
 from replica.schedules.replay import Event, play
 
-__all__ = ["StageCosts", "Event", "Timeline", "simulate"]
+__all__ = ["StageCosts", "Event", "Timeline", "simulate", "peak_memory"]
 
 _KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight"}
 
@@ -39,8 +39,12 @@ class StageCosts:
     out into W actions (which take ``weight_s``), else the whole backward. ``send_s``
     moves this stage's outputs to the next stage (and, in the backward, their gradient
     back); it only counts where the next stage lives on another rank.
-    ``activation_bytes`` stay alive from the start of F until the end of B (of W when
-    the schedule splits it out); ``static_bytes`` are parameters, gradients and optimizer.
+    ``activation_bytes`` stay alive from the start of F until the end of B; where the
+    schedule splits out a W, ``weight_bytes`` of them (a deferred weight gradient's inputs
+    and output gradients) stay on until W ends. ``backward_bytes`` are held while B runs (a
+    recomputed block and its gradients); ``static_bytes`` are parameters, gradients and
+    optimizer, but ``gradient_bytes`` of them, which the stage's first B makes (gradients
+    are None from ``zero_grad()`` until then).
     ``input_grad_share`` is the part of B after which its input gradient leaves for
     another rank (1: at its end; the runtimes send it before a whole backward's weight
     gradients, so plans of schedules without W use ``1 - WEIGHT_SHARE``).
@@ -55,10 +59,13 @@ class StageCosts:
     forward_fixed_s: float = 0.0  # the part of forward_s a smaller micro-batch does not save (launches)
     backward_fixed_s: float = 0.0
     input_grad_share: float = 1.0
+    weight_bytes: int = 0
+    backward_bytes: int = 0
+    gradient_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "weight_s", "send_s", "activation_bytes", "static_bytes",
-                     "forward_fixed_s", "backward_fixed_s"):
+                     "forward_fixed_s", "backward_fixed_s", "weight_bytes", "backward_bytes", "gradient_bytes"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"StageCosts.{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0 <= self.input_grad_share <= 1:
@@ -141,26 +148,38 @@ def _metadata(kind: str, pid: int, tid: int, label: str) -> dict[str, Any]:
 def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageCosts],
                  sizes: Sequence[float] = ()) -> tuple[int, ...]:
     """Per rank: static bytes of its stages plus the peak of live activations. A micro-batch's
-    activations on stage s count from F(s, i) until B(s, i) ends, or W(s, i) where there is one;
-    ``sizes[i]`` scales micro-batch i's."""
+    activations on stage s count from the start of F(s, i) to the end of B(s, i), but their
+    ``weight_bytes``, which stay until W(s, i) ends where there is one; B(s, i) holds its
+    ``backward_bytes`` while it runs, and the stage's first B makes its ``gradient_bytes``;
+    ``sizes[i]`` scales micro-batch i's. ``events`` come in time order (each rank's in its list
+    order at least)."""
     if not costs:
         return (0,) * num_ranks
     split = {(e.action.stage_index, e.action.microbatch_index) for e in events if e.action.kind == WEIGHT}
     static = [0] * num_ranks
     seen: set[int] = set()
+    graded: set[int] = set()
     changes: list[list[tuple[float, int, int]]] = [[] for _ in range(num_ranks)]  # (time, order, bytes)
-    for e in events:
+    for e in events:  # in time order (per rank: its list order), so a stage's first B comes first
         s, kind, i = e.action
         if s >= len(costs):
             raise ConfigError(f"event {e.action} names stage {s}, but costs cover {len(costs)} stages")
+        c, size = costs[s], (sizes[i] if sizes else 1.0)
         if s not in seen:
             seen.add(s)
-            static[e.rank] += costs[s].static_bytes
-        nbytes = round(costs[s].activation_bytes * (sizes[i] if sizes else 1.0))
+            static[e.rank] += c.static_bytes - min(c.gradient_bytes, c.static_bytes)
+        if kind == BACKWARD and s not in graded:
+            graded.add(s)
+            changes[e.rank].append((e.start_s, 1, min(c.gradient_bytes, c.static_bytes)))
+        later = round(min(c.weight_bytes, c.activation_bytes) * size) if (s, i) in split else 0
         if kind == FORWARD:
-            changes[e.rank].append((e.start_s, 1, nbytes))
-        elif kind == (WEIGHT if (s, i) in split else BACKWARD):
-            changes[e.rank].append((e.end_s, 0, -nbytes))  # at a tie, free before allocating
+            changes[e.rank].append((e.start_s, 1, round(c.activation_bytes * size)))
+        elif kind == BACKWARD:  # at a tie, free before allocating
+            changes[e.rank].append((e.start_s, 1, round(c.backward_bytes * size)))
+            changes[e.rank].append((e.end_s, 0, later - round(c.activation_bytes * size)
+                                    - round(c.backward_bytes * size)))
+        elif kind == WEIGHT:
+            changes[e.rank].append((e.end_s, 0, -later))
     peaks = []
     for r in range(num_ranks):
         live = peak = 0
@@ -169,6 +188,13 @@ def _peak_memory(events: Sequence[Event], num_ranks: int, costs: Sequence[StageC
             peak = max(peak, live)
         peaks.append(static[r] + peak)
     return tuple(peaks)
+
+
+def peak_memory(schedule: Sequence[Sequence[Action]], costs: Sequence[StageCosts]) -> list[int]:
+    """Per rank of ``schedule``, the bytes it holds at its fullest, its actions run in list
+    order (what :func:`simulate` gives whatever the seconds: a rank runs one action at a time)."""
+    events = [Event(r, a, float(n), n + 0.5) for r, actions in enumerate(schedule) for n, a in enumerate(actions)]
+    return list(_peak_memory(events, len(schedule), costs))
 
 
 def _duration(a: Action, costs: Sequence[StageCosts], size: float = 1.0) -> float:
