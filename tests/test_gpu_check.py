@@ -33,3 +33,5 @@ def test_gpu_check_refuses_an_unknown_size():
         gpu_check.main(["--device", "cpu", "--sizes", "huge"])
     with pytest.raises(SystemExit, match="unknown recompute mode"):
         gpu_check.main(["--device", "cpu", "--recompute", "half"])
+    with pytest.raises(SystemExit, match=r"unknown precisions \['fp8'\]"):
+        gpu_check.main(["--device", "cpu", "--precisions", "fp32,fp8"])
