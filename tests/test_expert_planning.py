@@ -142,3 +142,82 @@ def test_compiled_plans_keep_expert_parallel_stages_eager_and_say_so() -> None:
     assert "stages [0] run eagerly: their all-to-all dispatch" in plan.compile_line
     whole = _plan(model, ids, 2, num_stages=1, expert_parallel_size=1, compile=True)
     assert whole.expert_parallel_stages == () and runs_eagerly(whole, 0) == ""
+
+
+# --- expert parallelism inside the tuner's search (#41) ------------------------------------------------------------
+
+def _tuned(model: torch.nn.Module, ids: torch.Tensor, device=COMPUTE_BOUND, **kw) -> replica.Plan:
+    """The tuner's plan over 2 unsharded replicas of one stage (schedule, micro-batches, recompute
+    and the expert-parallel size searched): what the experts cost alone decides."""
+    return replica.plan(model, (ids,), world_size=2, data_parallel_size=2, sharded_data_parallel=False, device=device,
+                        **kw)
+
+
+def test_the_search_spreads_experts_that_fit_no_device_whole_and_refuses_them_whole() -> None:
+    """A budget between what a rank holds at ep=2 and with every expert: the search picks ep=2
+    (its layouts cut on each rank's share of the experts), and the same search held to whole
+    experts finds nothing that fits."""
+    from replica.errors import PartitionError
+
+    model, ids = _plain()
+    peak = lambda p: max(s.predicted_memory_bytes for s in p.stages)  # noqa: E731
+    whole, spread = _tuned(model, ids, expert_parallel_size=1), _tuned(model, ids, expert_parallel_size=2)
+    assert peak(spread) < peak(whole)
+    budget = (peak(spread) + peak(whole)) / 2
+    chosen = _tuned(model, ids, memory_budget=budget)
+    assert chosen.layout.expert_parallel_size == 2 and peak(chosen) <= budget, chosen.summary()
+    assert chosen.expert_parallel_bytes > 0 and "expert parallel: 2 MoE layers" in chosen.summary()
+    with pytest.raises(PartitionError, match="no configuration of 2 devices fits"):
+        _tuned(model, ids, memory_budget=budget, expert_parallel_size=1)
+
+
+def test_the_search_keeps_whole_experts_where_the_all_to_all_costs_more_than_it_saves(monkeypatch) -> None:
+    """Tiny experts on slow, high-latency links: each MoE layer's 5 all-to-alls a micro-batch
+    cost more than the experts' small all-reduce saves, so the search keeps ep=1, having cut
+    and priced ep=2 layouts too."""
+    import dataclasses
+
+    from replica.planner.pricing import Pricing
+
+    cut = Pricing.partition_for
+    sizes: set[int] = set()
+
+    def spy(self, layout, *args, **kw):
+        sizes.add(layout.expert_parallel_size)
+        return cut(self, layout, *args, **kw)
+
+    monkeypatch.setattr(Pricing, "partition_for", spy)
+    model, ids = _plain()
+    slow = dataclasses.replace(COMPUTE_BOUND, link_latency_s=1e-2, link_bandwidth=1e6)
+    chosen = _tuned(model, ids, device=slow)
+    assert chosen.layout.expert_parallel_size == 1 and sizes == {1, 2}, chosen.summary()
+    spread = _tuned(model, ids, device=slow, expert_parallel_size=2)
+    assert spread.expert_parallel_s > 0 and spread.predicted_step_time_s > chosen.predicted_step_time_s
+
+
+def test_an_expert_parallel_size_given_is_kept_by_the_search() -> None:
+    """expert_parallel_size=2 given: the tuner searches every other choice at ep=2, even where
+    whole experts would be faster; over 4 devices it leaves only layouts of an even replica count."""
+    model, ids = _plain()
+    assert _tuned(model, ids).layout.expert_parallel_size == 1  # compute-bound: the routing's imbalance costs
+    assert _tuned(model, ids, expert_parallel_size=2).layout.expert_parallel_size == 2
+    four = replica.plan(model, (ids,), world_size=4, device=COMPUTE_BOUND, expert_parallel_size=2)
+    assert four.layout.expert_parallel_size == 2 and four.layout.data_parallel_size % 2 == 0
+    assert all("experts over 2 replicas" in name for name, _ in four.alternatives), four.alternatives
+
+
+def test_a_dense_model_adds_no_expert_choice_to_the_search() -> None:
+    """Without an expert block the search's expert-parallel choices are (1,): no new loop."""
+    from replica.partition.partitioner import MemoryModel
+    from replica.partition.trace import trace
+    from replica.planner.pricing import Pricing
+
+    case = models.tiny_gpt(4)
+    traced = trace(case.model, case.example_inputs)
+    pricing = Pricing(traced, case.model, device=COMPUTE_BOUND, cost="analytic", memory_budget=None,
+                      memory_model=MemoryModel(), num_microbatches=None, num_stages_hint=1)
+    assert pricing.experts == () and pricing.expert_choices(8) == (1,)
+    model, ids = _plain()
+    moe = Pricing(trace(model, (ids,)), model, device=COMPUTE_BOUND, cost="analytic", memory_budget=None,
+                  memory_model=MemoryModel(), num_microbatches=None, num_stages_hint=1)
+    assert moe.expert_choices(8) == (1, 2, 4) and moe.expert_choices(6, asked=4) == ()

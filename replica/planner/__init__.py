@@ -22,7 +22,7 @@ from replica.partition.plan import Plan
 from replica.partition.recompute import needs_blocks
 from replica.partition.trace import Traced
 from replica.planner.costs import stage_costs_from_plan
-from replica.planner.experts import plan_experts, sharded_experts_graph
+from replica.planner.experts import check_expert_size, plan_experts
 from replica.planner.options import PlannerOptions
 from replica.planner.pricing import Pricing, default_microbatches
 from replica.planner.refine import finish
@@ -54,8 +54,9 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                       num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
                       graded=r.graded_microbatches, options=r.options, batch_scale=scale, compile=r.compile,
                       float8=r.float8)
-    if (r.expert_parallel_size or 1) > 1:  # each rank holds 1/ep of the experts: what the partition weighs
-        pricing.graph = sharded_experts_graph(pricing.graph, r.expert_parallel_size)
+    if r.expert_parallel_size is not None:  # no expert block, experts it does not divide: before any search
+        check_expert_size(pricing.experts, r.expert_parallel_size, r.replicas_fixed(),
+                          model_name=traced.graph.model_name)
     # the mode every stage checkpoints by (None: the tuner's choice; "pointwise" checkpoints none)
     full = False if r.recompute == "pointwise" else r.recompute
     if needs_blocks(full) and not find_blocks([n.module_path for n in traced.graph]):
@@ -95,6 +96,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                                                                                   pricing.spec.devices_per_node),
                        sequence_parallel=lambda t: _sequence_choices(pricing, r, t),
                        options=r.options, work_for=pricing.work,
+                       expert_parallel=lambda replicas: pricing.expert_choices(replicas, r.expert_parallel_size),
                        **({} if schedules is None else {"schedules": schedules}))
         plan = best
     else:
@@ -106,12 +108,14 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                                       data_parallel_size=r.data_parallel_size, tensor_parallel_size=t)
         m = r.num_microbatches or default_microbatches(pricing.global_batch // layout.data_parallel_size,
                                                        layout.num_stages)
+        if r.expert_parallel_size is not None:
+            check_expert_size(pricing.experts, r.expert_parallel_size, layout.data_parallel_size, layout.describe(),
+                              traced.graph.model_name)
         plan = _shard_fixed(pricing, layout, m, full or False, r, r.options.tie)
     _check_blocks(plan)
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
-    # each MoE layer's experts over ep replicas: the one asked, or the fastest that fits; priced
-    plan = plan_experts(traced, plan, r.expert_parallel_size, pricing.first_spec(),
-                        budget=pricing.budget_per_device(), tie=r.options.tie, optimizer=r.optimizer)
+    # each MoE layer's experts over the layout's ep replicas (the one asked, or the search's): its figures
+    plan = plan_experts(traced, plan, r.expert_parallel_size, pricing.first_spec(), optimizer=r.optimizer)
     if r.recompute == "pointwise" and not plan.recompute:
         plan = dataclasses.replace(plan, pointwise_recompute=True)
     # the action lists, once, from the final plan: every rank, the simulator and the report read
@@ -194,17 +198,19 @@ def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool | str
                for g in ((d,) if s == "none" else r.shard_groups(d, per_replica, pricing.spec.devices_per_node))]
     plans: list[Plan] = []
     errors: dict[str, PartitionError] = {}
-    for (sharding, group), sp in ((a, sp) for a in allowed
-                                  for sp in _sequence_choices(pricing, r, layout.tensor_parallel_size)):
+    for (sharding, group), sp, ep in ((a, sp, ep) for a in allowed
+                                      for sp in _sequence_choices(pricing, r, layout.tensor_parallel_size)
+                                      for ep in pricing.expert_choices(d, r.expert_parallel_size)):
         try:
             plans.append(pricing.partition_for(dataclasses.replace(layout, sharding=sharding, shard_group_size=group,
-                                                                   sequence_parallel=sp), m, recompute=recompute))
+                                                                   sequence_parallel=sp, expert_parallel_size=ep),
+                                               m, recompute=recompute))
         except PartitionError as exc:
             errors[sharding] = exc
     if not plans:
         raise errors.get("zero3", next(iter(errors.values())))
     fastest = min(p.predicted_step_time_s for p in plans)
     near = [p for p in plans if p.predicted_step_time_s <= fastest * (1 + tie)]
-    return min(near, key=lambda p: (p.layout.sharded, p.layout.sequence_parallel,
+    return min(near, key=lambda p: (p.layout.sharded, p.layout.sequence_parallel, p.layout.expert_parallel_size,
                                     max(s.predicted_memory_bytes for s in p.stages),
                                     p.predicted_step_time_s))

@@ -1,17 +1,17 @@
-"""Expert parallelism in the plan: which experts the layout spreads over how many replicas, priced and checked once.
+"""Expert parallelism in the plan: how many replicas each MoE layer's experts spread over, priced and checked.
 
-:func:`plan_experts` finds the traced graph's expert blocks (:mod:`replica.partition.experts`),
-prices spreading them (:func:`expert_costs`: the all-to-all's bytes and latency within or across
-nodes, the routing's imbalance measured on the example batch, the experts' gradient all-reduce
-and state saved), settles ``expert_parallel_size`` (the user's number; None: the fastest of
-:func:`expert_choices` that fits, whole experts on a tie) and records it on the plan with its
-figures. Every number that cannot work is a ``ConfigError`` here, before any rank starts: no
-expert block, an expert count or a replica count it does not divide, a stage cut inside a block.
-
-Weighed on the layout the tuner chose (its pipeline, tensor-parallel and data-parallel sizes), not
-inside its search: the tuner's layouts are compared without expert parallelism. A size the user
-fixes is partitioned on :func:`sharded_experts_graph` (each rank's share of the experts against
-the memory budget), so experts that only fit spread are placed; None prices whole experts first.
+:mod:`~replica.planner.pricing` prices a layout's ``expert_parallel_size`` e with the rest of it,
+so the tuner weighs e with pipeline, tensor-parallel and data-parallel sizes, sharding,
+micro-batches and recompute (its choices: :func:`expert_choices` of the layout's replicas; a
+model without experts has only 1): the layout is cut on :func:`sharded_experts_graph` (each rank
+holds ``num_experts / e`` of every layer's experts; under sharding FSDP2 leaves them whole,
+:func:`expert_memory`), no cut falls inside an expert block, each stage's forward and backward
+take its all-to-alls and the routing's imbalance measured on the example batch
+(:func:`stage_expert_costs`, :func:`with_expert_times`), and the experts' gradients are reduced over
+the ``D / e`` replicas holding the same experts. :func:`plan_experts` then records the chosen
+size's blocks and figures on the plan. Every number that cannot work is a ``ConfigError`` before
+any rank starts: no expert block, an expert count or a replica count it does not divide
+(:func:`check_expert_size`), a stage cut inside a block (:func:`check_experts`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from replica.partition.graph import Graph
 from replica.partition.plan import Plan
 from replica.partition.trace import Traced
 
-__all__ = ["plan_experts", "expert_choices", "check_experts", "ExpertCosts", "expert_costs", "routing_counts",
-           "imbalance", "sharded_experts_graph"]
+__all__ = ["plan_experts", "expert_choices", "check_experts", "check_expert_size", "ExpertCosts", "expert_costs",
+           "StageExperts", "stage_expert_costs", "expert_memory", "with_expert_times", "state_per_byte",
+           "routing_counts", "imbalance", "sharded_experts_graph"]
 
 
 def expert_choices(blocks: Sequence[ExpertBlock], data_parallel_size: int) -> tuple[int, ...]:
@@ -41,10 +42,12 @@ def expert_choices(blocks: Sequence[ExpertBlock], data_parallel_size: int) -> tu
     return tuple(e for e in range(1, data_parallel_size + 1) if data_parallel_size % e == 0 and experts % e == 0)
 
 
-def check_experts(blocks: Sequence[ExpertBlock], plan: Plan, expert_parallel_size: int, model_name: str = "") -> None:
-    """A ``ConfigError`` naming the numbers and the fix unless ``plan`` can spread every block's
-    experts over ``expert_parallel_size`` replicas."""
-    e, d = expert_parallel_size, plan.data_parallel_size
+def check_expert_size(blocks: Sequence[ExpertBlock], expert_parallel_size: int, data_parallel_size: int | None,
+                      where: str = "", model_name: str = "") -> None:
+    """A ``ConfigError`` naming the numbers and the fix unless every block's experts spread over
+    ``expert_parallel_size`` of ``data_parallel_size`` replicas (None: not known yet; ``where``
+    describes the layout)."""
+    e, d = expert_parallel_size, data_parallel_size
     if e == 1:
         return
     if not blocks:
@@ -58,13 +61,22 @@ def check_experts(blocks: Sequence[ExpertBlock], plan: Plan, expert_parallel_siz
             raise ConfigError(
                 f"expert_parallel_size={e} does not divide the {b.num_experts} experts of {b.path}: each rank holds "
                 f"num_experts / expert_parallel_size of them. Use expert_parallel_size in {fits} (a divisor of every "
-                f"MoE layer's experts and of the {d} data-parallel replicas)")
-    if d % e:
+                "MoE layer's experts" + (f" and of the {d} data-parallel replicas)" if d else ")"))
+    if d is not None and d % e:
         raise ConfigError(
-            f"expert_parallel_size={e} does not divide the plan's {d} data-parallel replicas "
-            f"({plan.layout.describe()}): the experts spread over groups of {e} replicas of each stage. Give "
-            f"data_parallel_size= a multiple of {e} (or num_stages= that leaves one), or expert_parallel_size in "
+            f"expert_parallel_size={e} does not divide the plan's {d} data-parallel replicas"
+            + (f" ({where})" if where else "") + f": the experts spread over groups of {e} replicas of each stage. "
+            f"Give data_parallel_size= a multiple of {e} (or num_stages= that leaves one), or expert_parallel_size in "
             f"{list(expert_choices(blocks, d))}")
+
+
+def check_experts(blocks: Sequence[ExpertBlock], plan: Plan, expert_parallel_size: int, model_name: str = "") -> None:
+    """A ``ConfigError`` naming the numbers and the fix unless ``plan`` can spread every block's
+    experts over ``expert_parallel_size`` replicas."""
+    e = expert_parallel_size
+    check_expert_size(blocks, e, plan.data_parallel_size, plan.layout.describe(), model_name)
+    if e == 1:
+        return
     stage_of = {n: s.stage_index for s in plan.stages for n in s.node_names}
     for b in blocks:
         stages = sorted({stage_of[n] for n in b.nodes if n in stage_of})
@@ -129,17 +141,30 @@ class ExpertCosts:
     saved_allreduce_s: float = 0.0
     saved_bytes: float = 0.0
 
-    def step_delta_s(self, plan: Plan) -> float:
-        """The step's predicted change: the busiest stage's added time in every one of the
-        pipeline's ``m + p - 1`` slots, less the data-parallel all-reduce it saves where exposed."""
-        m, p = plan.num_microbatches, plan.pipeline_ranks
-        return (self.alltoall_s + self.imbalance_s) * (m + p - 1) / m - min(self.saved_allreduce_s,
-                                                                               plan.exposed_collective_s)
+
+@dataclass(frozen=True)
+class StageExperts:
+    """One stage's expert-parallel price over a step (all its micro-batches): the all-to-alls
+    its forwards and backwards wait for (``forward_s``, ``backward_s``: the counts' exchange and
+    the token rows there and back in forward, the rows' gradients back and there in backward),
+    the routing imbalance's extra expert compute in each, the bytes a rank sends, and the
+    all-reduce and state of its experts that expert parallelism leaves out."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    alltoall_s: float = 0.0
+    alltoall_bytes: float = 0.0
+    imbalance_s: float = 0.0
+    imbalance: float = 1.0
+    saved_allreduce_s: float = 0.0
+    saved_bytes: float = 0.0
 
 
-def expert_costs(graph: Graph, plan: Plan, blocks: Sequence[ExpertBlock], expert_parallel_size: int,
-                 spec: DeviceSpec, counts: dict[str, list[int]], state_per_byte: float = 4.0) -> ExpertCosts:
-    """The :class:`ExpertCosts` of ``plan`` at ``expert_parallel_size`` on ``spec``.
+def stage_expert_costs(graph: Graph, plan: Plan, blocks: Sequence[ExpertBlock], expert_parallel_size: int,
+                       spec: DeviceSpec, counts: dict[str, list[int]],
+                       state_per_byte: float = 4.0) -> dict[int, StageExperts]:
+    """Per stage holding an expert block, its :class:`StageExperts` in ``plan`` at
+    ``expert_parallel_size`` on ``spec`` (stage times read: ``plan``'s, without expert parallelism).
 
     Per MoE layer, micro-batch and rank, with ``S = tokens × top_k`` slots of a replica's
     micro-batch: the counts' all-to-all (latency only), then the token rows there and back in
@@ -153,39 +178,52 @@ def expert_costs(graph: Graph, plan: Plan, blocks: Sequence[ExpertBlock], expert
     times the weights: Adam's 4)."""
     e, d, m = expert_parallel_size, plan.data_parallel_size, plan.num_microbatches
     if e <= 1 or not blocks:
-        return ExpertCosts(expert_parallel_size=1)
+        return {}
     layout = plan.layout
     bandwidth = spec.collective_bandwidth(e * layout.pipeline_ranks * layout.tensor_parallel_size)
     stage_of = {n: s.stage_index for s in plan.stages for n in s.node_names}
-    per_stage: dict[int, list[float]] = {}  # stage -> [bytes, seconds, imbalance seconds, saved s, saved bytes]
-    worst = 1.0
+    rows: dict[int, list[float]] = {}  # stage -> [fwd s, bwd s, a2a s, bytes, imbalance s, worst, saved s, saved b]
     for b in blocks:
         k = stage_of.get(b.exit)
         if k is None:
             continue
         stage = plan.stages[k]
-        row = per_stage.setdefault(k, [0.0] * 5)
+        row = rows.setdefault(k, [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
         slots = b.num_tokens * b.top_k / d / m  # one replica's micro-batch
-        half = 2 if plan.precision in ("bf16", "fp16") else 0
+        half = plan.precision in ("bf16", "fp16")
         token_bytes = b.token_bytes // 2 if half and b.token_bytes % 2 == 0 else b.token_bytes
         sent = slots * (e - 1) / e * token_bytes
-        row[0] += 4 * sent * m
-        row[1] += m * (e - 1) * spec.link_latency_s + 4 * m * ((e - 1) * spec.link_latency_s + sent / bandwidth)
+        one = (e - 1) * spec.link_latency_s + sent / bandwidth  # one all-to-all of token rows
+        counts_s = m * (e - 1) * spec.link_latency_s
         flops = sum(graph[n].flops for n in stage.node_names if n in graph._index) or 1.0
-        share = b.flops / flops * (stage.forward_time_s + stage.backward_time_s)
         worse = imbalance(counts.get(b.path, ()), e)
-        worst = max(worst, worse)
-        row[2] += share * (worse - 1)
+        extra = b.flops / flops * (worse - 1)  # the busiest rank's extra share of its stage's time
+        row[0] += counts_s + 2 * m * one + extra * stage.forward_time_s
+        row[1] += 2 * m * one + extra * stage.backward_time_s
+        row[2] += counts_s + 4 * m * one
+        row[3] += 4 * sent * m
+        row[4] += extra * (stage.forward_time_s + stage.backward_time_s)
+        row[5] = max(row[5], worse)
         weights = sum(graph.parameters[p].nbytes for p in b.parameters)
         ring = lambda n: 2 * (n - 1) / n * weights / spec.collective_bandwidth(d * layout.pipeline_ranks)  # noqa: E731
-        row[3] += ring(d) - ring(d // e)
-        row[4] += weights * state_per_byte * (1 - 1 / e)
+        row[6] += ring(d) - ring(d // e)
+        row[7] += weights * state_per_byte * (1 - 1 / e)
+    return {k: StageExperts(*r) for k, r in rows.items()}
+
+
+def expert_costs(graph: Graph, plan: Plan, blocks: Sequence[ExpertBlock], expert_parallel_size: int,
+                 spec: DeviceSpec, counts: dict[str, list[int]], state_per_byte: float = 4.0) -> ExpertCosts:
+    """The :class:`ExpertCosts` of ``plan`` at ``expert_parallel_size`` on ``spec``: the busiest
+    stage's of :func:`stage_expert_costs` (its all-to-all and imbalance), the least state saved."""
+    e = expert_parallel_size
+    per_stage = stage_expert_costs(graph, plan, blocks, e, spec, counts, state_per_byte)
     if not per_stage:
-        return ExpertCosts(expert_parallel_size=e)
-    busiest = max(per_stage.values(), key=lambda r: r[1] + r[2])
-    return ExpertCosts(expert_parallel_size=e, alltoall_bytes=busiest[0], alltoall_s=busiest[1], imbalance=worst,
-                       imbalance_s=busiest[2], saved_allreduce_s=busiest[3],
-                       saved_bytes=min(r[4] for r in per_stage.values()))
+        return ExpertCosts(expert_parallel_size=max(1, e) if blocks else 1)
+    busiest = max(per_stage.values(), key=lambda r: r.alltoall_s + r.imbalance_s)
+    return ExpertCosts(expert_parallel_size=e, alltoall_bytes=busiest.alltoall_bytes, alltoall_s=busiest.alltoall_s,
+                       imbalance=max(r.imbalance for r in per_stage.values()), imbalance_s=busiest.imbalance_s,
+                       saved_allreduce_s=busiest.saved_allreduce_s,
+                       saved_bytes=min(r.saved_bytes for r in per_stage.values()))
 
 
 def sharded_experts_graph(graph: Graph, expert_parallel_size: int) -> Graph:
@@ -203,52 +241,62 @@ def sharded_experts_graph(graph: Graph, expert_parallel_size: int) -> Graph:
     return Graph(nodes, parameters, model_name=graph.model_name)
 
 
-def _priced(plan: Plan, costs: ExpertCosts, blocks: Sequence[ExpertBlock], graph: Graph,
-            state_per_byte: float, held_already: bool = False) -> Plan:
-    """``plan`` at ``costs``' size, its step and each stage's expert state priced: each rank holds
-    ``1 / ep`` of the experts' weights, gradients and optimizer state, which sharded replicas'
-    FSDP2 leaves whole (``held_already``: the partition was priced on :func:`sharded_experts_graph`,
-    its memory holds ``1 / ep`` already, then ``1 / replicas`` of that where sharded)."""
-    e = costs.expert_parallel_size
-    d = plan.data_parallel_size if plan.layout.sharded else 1
-    priced = (e if held_already else 1) * d  # the experts' share of a rank the partition counted
+def expert_memory(graph: Graph, plan: Plan, blocks: Sequence[ExpertBlock], state_per_byte: float) -> Plan:
+    """``plan`` (its memory counted on ``graph``, :func:`sharded_experts_graph` at its layout's
+    size) with each stage's experts held whole by every rank of a sharded layout: FSDP2 leaves
+    the experts' shards alone (``ignored_params``), so a rank holds ``1 / ep`` of them, not the
+    ``1 / (ep × shard group)`` the sharded memory model counted. Unchanged unsharded or at ep 1."""
+    layout = plan.layout
+    g = layout.dp_shard if layout.sharded else 1
+    if layout.expert_parallel_size <= 1 or g <= 1 or not blocks:
+        return plan
+    cut = {p for b in blocks for p in b.parameters}
     stages = []
     for st in plan.stages:
-        whole = sum(graph.parameters[p].nbytes for b in blocks for p in b.parameters if p in st.parameter_names)
-        delta = whole / e - whole / priced if e > 1 else 0.0  # per copy (weights, gradients, each optimizer state)
-        memory = dataclasses.replace(st.memory, parameters=int(st.memory.parameters + delta),
-                                     gradients=int(st.memory.gradients + delta),
-                                     optimizer=int(st.memory.optimizer + delta * (state_per_byte - 2)))
-        stages.append(dataclasses.replace(st, memory=memory))
-    layout = dataclasses.replace(plan.layout, expert_parallel_size=e)
-    return dataclasses.replace(plan, layout=layout, experts=tuple(blocks), stages=tuple(stages),
-                               predicted_step_time_s=plan.predicted_step_time_s + costs.step_delta_s(plan),
-                               expert_parallel_s=costs.alltoall_s, expert_parallel_bytes=int(costs.alltoall_bytes),
-                               expert_imbalance=costs.imbalance)
+        held = sum(graph.parameters[p].nbytes for p in st.parameter_names if p in cut)
+        delta = held - held / g  # per copy (weights, gradients, each optimizer state)
+        if delta:
+            memory = dataclasses.replace(st.memory, parameters=int(st.memory.parameters + delta),
+                                         gradients=int(st.memory.gradients + delta),
+                                         optimizer=int(st.memory.optimizer + delta * (state_per_byte - 2)))
+            st = dataclasses.replace(st, memory=memory)
+        stages.append(st)
+    return dataclasses.replace(plan, stages=tuple(stages))
+
+
+def with_expert_times(plan: Plan, per_stage: dict[int, StageExperts]) -> Plan:
+    """``plan`` with each stage's all-to-alls and routing imbalance in its forward and backward
+    times (over the step: the simulator spreads them over the stage's micro-batches)."""
+    if not per_stage:
+        return plan
+    stages = tuple(dataclasses.replace(st, forward_time_s=st.forward_time_s + per_stage[st.stage_index].forward_s,
+                                       backward_time_s=st.backward_time_s + per_stage[st.stage_index].backward_s)
+                   if st.stage_index in per_stage else st for st in plan.stages)
+    return dataclasses.replace(plan, stages=stages)
+
+
+def state_per_byte(optimizer: str) -> float:
+    """Copies of a weight's bytes a rank keeps: the weight, its gradient and the optimizer's states."""
+    return 4.0 if optimizer == "adam" else 3.0 if optimizer in ("sgd_momentum", "momentum") else 2.0
 
 
 def plan_experts(traced: Traced, plan: Plan, expert_parallel_size: int | None, spec: DeviceSpec, *,
-                 budget: float = float("inf"), tie: float = 0.01, optimizer: str = "adam") -> Plan:
-    """``plan`` with the traced graph's expert blocks and its layout's ``expert_parallel_size``:
-    the one asked (checked), or for None the fastest of :func:`expert_choices` whose busiest
-    stage fits ``budget``, within ``tie`` the smallest (whole experts: nothing spreads them unless
-    it pays). Priced by :func:`expert_costs` on the example batch's routing."""
+                 optimizer: str = "adam") -> Plan:
+    """``plan`` with the traced graph's expert blocks and the figures of its layout's
+    ``expert_parallel_size`` (the user's, or the one the search chose: the layout priced it,
+    :class:`~replica.planner.pricing.Pricing` adds the all-to-alls and imbalance to the stages'
+    times and counts each rank's share of the experts): the busiest stage's all-to-all, its bytes
+    and the routing imbalance, from :func:`expert_costs` on the example batch's routing. A size
+    asked is checked (:func:`check_experts`)."""
     graph = traced.graph
     blocks = find_expert_blocks(graph)
-    state = 4.0 if optimizer == "adam" else 3.0 if optimizer in ("sgd_momentum", "momentum") else 2.0
-    if expert_parallel_size is not None:
-        check_experts(blocks, plan, expert_parallel_size, graph.model_name)
-        sizes: tuple[int, ...] = (expert_parallel_size,)
-    else:
-        sizes = expert_choices(blocks, plan.data_parallel_size)
-        stage_of = {n: s.stage_index for s in plan.stages for n in s.node_names}
-        if any(len({stage_of.get(n) for n in b.nodes}) > 1 for b in blocks):
-            sizes = (1,)  # a block cut between stages cannot run its all-to-all
-    counts = routing_counts(traced, blocks) if blocks and max(sizes) > 1 else {}
-    # a fixed size was partitioned on the sharded experts already (sharded_experts_graph)
-    plans = [_priced(plan, expert_costs(graph, plan, blocks, e, spec, counts, state), blocks, graph, state,
-                     held_already=expert_parallel_size is not None) for e in sizes]
-    fits = [p for p in plans if max(s.predicted_memory_bytes for s in p.stages) <= budget] or plans
-    fastest = min(p.predicted_step_time_s for p in fits)
-    near = [p for p in fits if p.predicted_step_time_s <= fastest * (1 + tie)]
-    return min(near, key=lambda p: (p.layout.expert_parallel_size, p.predicted_step_time_s))  # whole on a tie
+    e = plan.layout.expert_parallel_size
+    if expert_parallel_size is not None or e > 1:
+        check_experts(blocks, plan, expert_parallel_size or e, graph.model_name)
+    plan = dataclasses.replace(plan, experts=tuple(blocks))
+    if e <= 1 or not blocks:
+        return plan
+    counts = routing_counts(traced, blocks)
+    costs = expert_costs(graph, plan, blocks, e, spec, counts, state_per_byte(optimizer))
+    return dataclasses.replace(plan, expert_parallel_s=costs.alltoall_s,
+                               expert_parallel_bytes=int(costs.alltoall_bytes), expert_imbalance=costs.imbalance)

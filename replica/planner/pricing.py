@@ -22,6 +22,7 @@ from replica.partition.cost import (
     preset_for_cuda_device,
     torch_device_of,
 )
+from replica.partition.experts import ExpertBlock, find_expert_blocks
 from replica.partition.graph import Graph
 from replica.partition.partitioner import MemoryModel, fsdp_unit, partition, reshard
 from replica.partition.plan import Plan
@@ -32,6 +33,15 @@ from replica.partition.trace import Traced
 from replica.planner.compiling import FLOAT8_SPEEDUP, check_float8, compile_choice
 from replica.planner.costs import stage_costs_from_plan
 from replica.planner.dataparallel import StageWeights, with_collectives
+from replica.planner.experts import (
+    expert_choices,
+    expert_memory,
+    routing_counts,
+    sharded_experts_graph,
+    stage_expert_costs,
+    state_per_byte,
+    with_expert_times,
+)
 from replica.planner.options import PlannerOptions
 from replica.planner.sequence_parallel import sequence_costs, sequence_graph
 from replica.planner.tensor_parallel import MEMORY_SHARE, blocks_for, sharded_costs, sharded_graph, together
@@ -106,9 +116,11 @@ class Pricing:
         self.traced = traced
         self.memory_model = dataclasses.replace(
             memory_model, gather_dtype=None if half is None else str(half).removeprefix("torch."))
-        self._weights: dict[tuple[int, tuple[str, ...]], StageWeights] = {}
+        self._weights: dict[tuple[int, int, int, tuple[str, ...]], StageWeights] = {}
         self._blocks: list[ShardedBlock] | None = None
-        self._graphs: dict[tuple[int, bool], Graph] = {}
+        self._experts: tuple[ExpertBlock, ...] | None = None
+        self._routing: dict[str, list[int]] | None = None
+        self._graphs: dict[tuple[int, bool, int], Graph] = {}
         self._tp_costs: dict[tuple[int, bool], TensorParallelCosts | None] = {}
         self._cut: dict[int, tuple[ShardedBlock, ...]] = {}
         self._sequence: dict[int, tuple[tuple[str, int], ...]] = {}
@@ -201,16 +213,58 @@ class Pricing:
         return sum(cut.forward_time(n) + cut.backward_time(n) for n in nodes) \
             < sum(whole.forward_time(n) + whole.backward_time(n) for n in nodes)
 
-    def graph_for(self, tensor_parallel_size: int = 1, sequence_parallel: bool = False) -> Graph:
+    def graph_for(self, tensor_parallel_size: int = 1, sequence_parallel: bool = False,
+                  expert_parallel_size: int = 1) -> Graph:
         """The priced graph as one rank of a ``tensor_parallel_size`` group holds it (with the
-        tokens between blocks cut where ``sequence_parallel``)."""
-        t, sp = tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1
-        if (t, sp) not in self._graphs:
-            if sp:
-                self._graphs[t, sp] = sequence_graph(self.graph_for(t), self.blocks_for(t), self.region(t), t)
+        tokens between blocks cut where ``sequence_parallel``), its experts' stacked weights
+        ``[num_experts / expert_parallel_size, ...]`` (:func:`sharded_experts_graph`)."""
+        t, sp, e = tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1, expert_parallel_size
+        if (t, sp, e) not in self._graphs:
+            if e > 1:
+                self._graphs[t, sp, e] = sharded_experts_graph(self.graph_for(t, sp), e)
+            elif sp:
+                self._graphs[t, sp, e] = sequence_graph(self.graph_for(t), self.blocks_for(t), self.region(t), t)
             else:
-                self._graphs[t, sp] = sharded_graph(self.graph, self.blocks_for(t), t) if t > 1 else self.graph
-        return self._graphs[t, sp]
+                self._graphs[t, sp, e] = sharded_graph(self.graph, self.blocks_for(t), t) if t > 1 else self.graph
+        return self._graphs[t, sp, e]
+
+    # --- expert parallelism ----------------------------------------------------------
+    @property
+    def experts(self) -> tuple[ExpertBlock, ...]:
+        """The graph's expert blocks (:func:`~replica.partition.experts.find_expert_blocks`), found once."""
+        if self._experts is None:
+            self._experts = find_expert_blocks(self.graph)
+        return self._experts
+
+    def expert_choices(self, replicas: int, asked: int | None = None) -> tuple[int, ...]:
+        """The expert-parallel sizes a layout of ``replicas`` replicas may take: ``asked`` where
+        it divides them (none where not), else every divisor of the replicas that divides each
+        MoE layer's experts (1 alone in a model without experts: no search over it)."""
+        if asked is not None:
+            return (asked,) if replicas % asked == 0 else ()
+        return expert_choices(self.experts, replicas)
+
+    def routing(self) -> dict[str, list[int]]:
+        """Per expert block, the token slots each expert gets on the example batch, read once
+        (:func:`~replica.planner.experts.routing_counts`; empty on meta: balanced)."""
+        if self._routing is None:
+            self._routing = routing_counts(self.traced, self.experts) if self.experts else {}
+        return self._routing
+
+    def _with_experts(self, plan: Plan, layout: Layout) -> Plan:
+        """``plan`` (cut on :meth:`graph_for` at ``layout``'s expert-parallel size) with its
+        stages' all-to-alls and routing imbalance in their times and, where ``layout`` shards,
+        each rank's whole share of the experts (FSDP2 leaves them unsharded)."""
+        e = layout.expert_parallel_size
+        if e <= 1 or not self.experts:
+            return plan
+        state = state_per_byte(self.memory_model.optimizer)
+        per_stage = stage_expert_costs(self.graph, plan, self.experts, e, self.first_spec(), self.routing(), state)
+        return self._expert_memory(with_expert_times(plan, per_stage), layout)
+
+    def _expert_memory(self, plan: Plan, layout: Layout) -> Plan:
+        graph = self.graph_for(layout.tensor_parallel_size, layout.sequence_parallel, layout.expert_parallel_size)
+        return expert_memory(graph, plan, self.experts, state_per_byte(self.memory_model.optimizer))
 
     def tensor_parallel_costs(self, tensor_parallel_size: int,
                               sequence_parallel: bool = False) -> TensorParallelCosts | None:
@@ -279,28 +333,38 @@ class Pricing:
     def reshard(self, plan: Plan, layout: Layout) -> Plan:
         """``plan``, cut unsharded, laid out as ``layout``: its stages' memory as that sharding
         holds it, and ``layout`` its own (what it sends early, how it reduces, follows from it)."""
-        held = reshard(self.graph_for(layout.tensor_parallel_size, layout.sequence_parallel), plan,
-                       self.memory_model_for(layout, plan.recompute))
-        return dataclasses.replace(held, layout=layout)
+        held = reshard(self.graph_for(layout.tensor_parallel_size, layout.sequence_parallel,
+                                      layout.expert_parallel_size), plan, self.memory_model_for(layout, plan.recompute))
+        return self._expert_memory(dataclasses.replace(held, layout=layout), layout)
 
-    def stage_weights(self, parameter_names: tuple[str, ...], tensor_parallel_size: int = 1) -> StageWeights:
+    def stage_weights(self, parameter_names: tuple[str, ...], tensor_parallel_size: int = 1,
+                      expert_parallel_size: int = 1, data_parallel_size: int = 1) -> StageWeights:
         """What a stage holding ``parameter_names`` moves in its collectives: one
-        tensor-parallel rank's shards of the parameters its blocks cut, the others whole."""
-        key = (tensor_parallel_size, parameter_names)
+        tensor-parallel rank's shards of the parameters its blocks cut, the others whole. At
+        ``expert_parallel_size`` e > 1 of ``data_parallel_size`` D replicas a rank's share of
+        the experts (``1 / e``) is all-reduced over the D / e replicas holding the same experts,
+        counted as the bytes whose ring over D takes as long ((D - e) / (D - 1) of them: none at
+        e = D), and FSDP gathers none of it (it leaves the experts alone)."""
+        e = expert_parallel_size
+        d = data_parallel_size if e > 1 else 1
+        key = (tensor_parallel_size, e, d, parameter_names)
         if key not in self._weights:
-            graph = self.graph_for(tensor_parallel_size)
+            graph = self.graph_for(tensor_parallel_size, expert_parallel_size=e)
+            experts = {p for b in self.experts for p in b.parameters} if e > 1 else set()
             infos = [graph.parameters[p] for p in parameter_names]
             weights = [p for p in infos if not p.is_buffer]
+            scale = (d - e) / (d - 1) if d > 1 else 0.0
             self._weights[key] = StageWeights(
-                nbytes=sum(p.nbytes for p in weights),
-                gathered_bytes=sum(self.memory_model.gathered_bytes(p) for p in weights),
+                nbytes=sum(p.nbytes * (scale if p.name in experts else 1.0) for p in weights),
+                gathered_bytes=sum(self.memory_model.gathered_bytes(p) for p in weights if p.name not in experts),
                 units=len({fsdp_unit(p.name) for p in weights}))
         return self._weights[key]
 
     def collectives(self, plan: Plan, layout: Layout, schedule: Schedule) -> tuple[Plan, list[float]]:
         """``plan`` with its data-parallel collectives in ``layout`` priced
         (:mod:`replica.planner.dataparallel`), and the seconds each rank waits for them."""
-        weights = [self.stage_weights(st.parameter_names, layout.tensor_parallel_size) for st in plan.stages]
+        weights = [self.stage_weights(st.parameter_names, layout.tensor_parallel_size, layout.expert_parallel_size,
+                                      layout.data_parallel_size) for st in plan.stages]
         return with_collectives(plan, layout, schedule, self.first_spec(), weights)
 
     def _early_fits(self, plan: Plan, where: dict[int, int]) -> bool:
@@ -365,6 +429,9 @@ class Pricing:
         models = [by_spec.setdefault(id(sp), self.cost_model(sp, batch_fraction, t, layout.sequence_parallel))
                   for sp in specs]
         blocks = self.blocks_for(t)
+        e = layout.expert_parallel_size
+        # an expert block's all-to-all runs inside one stage: no cut falls inside it where spread
+        experts = tuple(b.nodes for b in self.experts if len(b.nodes) > 1) if e > 1 else ()
         if simulated:
             schedule_data = make_schedule(layout.schedule, layout.num_stages, m, layout.pipeline_ranks)
             where, flights = placement(schedule_data), max_in_flight(schedule_data, layout.num_stages)
@@ -374,17 +441,20 @@ class Pricing:
         if per_stage is not None:
             recompute = per_stage[0] if len(set(map(repr, per_stage))) == 1 else \
                 any(x is not False and x != 0 for x in per_stage)
-        result = partition(self.graph_for(t, layout.sequence_parallel), models, num_stages=layout.num_stages,
+        result = partition(self.graph_for(t, layout.sequence_parallel, e), models, num_stages=layout.num_stages,
                            num_microbatches=m, stage_recompute=per_stage,
                            schedule=layout.schedule, memory_model=self.memory_model_for(layout, recompute),
                            memory_budget=self.memory_budget if within_budget else None,
                            in_flight=flights,
-                           stage_ranks=[where[k] for k in range(layout.num_stages)], together=together(blocks),
+                           stage_ranks=[where[k] for k in range(layout.num_stages)],
+                           together=together(blocks) + experts,
                            bounds=None if like is None else self._bounds_of(like, layout))
         result = dataclasses.replace(result, layout=layout, tensor_parallel=blocks,
                                      sequence_shards=self.sequence_shards(layout),
                                      early_input_grads=recompute is False and self._early_fits(result, where),
-                                     compile=self.compiled, compile_note=self.compile_note, float8=self.float8)
+                                     compile=self.compiled, compile_note=self.compile_note, float8=self.float8,
+                                     precision=self.precision)
+        result = self._with_experts(result, layout)
         if not simulated:
             return dataclasses.replace(result, precision=self.precision,
                                        model_flops=3 * self.graph.total_flops * batch_fraction * replicas,

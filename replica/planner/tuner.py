@@ -1,8 +1,9 @@
-"""The auto-tuner: tensor ranks × pipeline ranks × replicas × sharding × micro-batches × schedule × split, by simulation.
+"""The auto-tuner: tensor × pipeline ranks × replicas × experts × sharding × micro-batches × schedule, by simulation.
 
 For every way to factor the world into tensor-parallel ranks per stage, pipeline ranks and
-data-parallel replicas, the graph is partitioned once (per stage count, replica count,
-tensor-parallel size, micro-batch count and recompute); every schedule, sharding of the
+data-parallel replicas (and, in a mixture of experts, each expert-parallel size the replicas
+allow), the graph is partitioned once (per stage count, replica count, tensor-parallel size,
+expert-parallel size, micro-batch count and recompute); every schedule, sharding of the
 replicas and micro-batch count is then priced by replaying its action lists in the
 simulator with the stages' costs scaled to the replica's batch, their memory as the
 sharding holds it checked against the memory budget, and charged what the replicas'
@@ -200,6 +201,7 @@ def tune(
     options: PlannerOptions = PlannerOptions(),
     sequence_parallel: Callable[[int], Sequence[bool]] = lambda tensor_parallel_size: (False,),
     work_for: Callable[[Layout, int, bool], float] | None = None,
+    expert_parallel: Callable[[int], Sequence[int]] = lambda replicas: (1,),
 ) -> tuple[Plan, list[Candidate]]:
     """Search the layouts of ``world_size`` devices for the fastest that fits a global ``batch``.
 
@@ -212,7 +214,10 @@ def tune(
     where the layout allows it: more than one replica and a schedule that does not split backward,
     each sharded one in the shard groups ``shard_groups(replicas, ranks per replica)`` gives (HSDP
     where a group is smaller than the replicas); and each of ``tensor_parallel_sizes`` that
-    divides the world, with each of ``sequence_parallel(tensor_parallel_size)``.
+    divides the world, with each of ``sequence_parallel(tensor_parallel_size)``, and each of
+    ``expert_parallel(replicas)``: the expert-parallel sizes a layout of that many replicas may
+    spread its experts over (``(1,)`` for a model without experts: no search over it; ``()``
+    where none can, the layout skipped), each cut on its own share of the experts.
     Returns the best plan (with ``predicted_step_time_s``, its layout and the alternatives
     filled in) and the candidates simulated, best first. Raises ``PartitionError`` naming the
     world that would fit.
@@ -229,10 +234,11 @@ def tune(
     state alone exceed the budget (unless nothing fits: the error then names the leanest).
     """
     candidates: list[Candidate] = []
-    plans: dict[tuple[int, int, bool | str | int, int, int, bool], Plan | None] = {}
-    # the first cut of each (stages, replicas, recompute, tp, sequence parallel)
-    cuts: dict[tuple[int, int, bool | str | int, int, bool], Plan] = {}
-    queued: list[tuple[float, int, tuple[int, int, bool | str | int, int, int, bool], Layout]] = []
+    plans: dict[tuple[int, int, bool | str | int, int, int, bool, int], Plan | None] = {}
+    # the first cut of each (stages, replicas, recompute, tp, sequence parallel, ep)
+    cuts: dict[tuple[int, int, bool | str | int, int, bool, int], Plan] = {}
+    queued: list[tuple[float, int, tuple[int, int, bool | str | int, int, int, bool, int], Layout]] = []
+    no_experts: list[int] = []  # replica counts no expert-parallel size allowed fits
     for tp, ranks in ((t, r) for t in tensor_parallel_sizes if world_size % t == 0
                       for r in _divisors(world_size // t)):
         if ranks > options.max_pipeline_ranks and num_stages is None:
@@ -242,19 +248,24 @@ def tune(
             continue
         if batch % replicas:
             continue
+        spreads = tuple(expert_parallel(replicas))
+        if not spreads:
+            no_experts.append(replicas)
+            continue
         for name in schedules:
             kind = schedule_kind(name)
             stages = ranks * kind.stages_per_rank
             if (ranks == 1 and stages > 1) or stages > num_ops or (num_stages is not None and stages != num_stages):
                 continue
-            for sharding, group, sp in ((s, g, sp) for s in shardings
-                                        for g in ((None,) if s == "none" else shard_groups(replicas, ranks * tp))
-                                        for sp in sequence_parallel(tp)):
+            for sharding, group, sp, ep in ((s, g, sp, ep) for s in shardings
+                                            for g in ((None,) if s == "none" else shard_groups(replicas, ranks * tp))
+                                            for sp in sequence_parallel(tp) for ep in spreads):
                 if sharding != "none" and (replicas == 1 or kind.splits_backward):
                     continue
                 layout = Layout(schedule=name, num_stages=stages, pipeline_ranks=ranks, data_parallel_size=replicas,
                                 tensor_parallel_size=tp, sharding=sharding,
-                                shard_group_size=None if group in (None, replicas) else group, sequence_parallel=sp)
+                                shard_group_size=None if group in (None, replicas) else group, sequence_parallel=sp,
+                                expert_parallel_size=ep)
                 for again in recompute:
                     for m in _microbatch_choices(batch // replicas, ranks, num_microbatches, stages,
                                                  options.max_simulated_actions):
@@ -263,7 +274,7 @@ def tune(
                         # a bound before any cut: the replica's compute shared evenly by its ranks
                         early = work_for(layout, m, again) / ranks if work_for is not None else 0.0
                         # priced at this micro-batch size: an op whose tensors fit the cache at m runs faster
-                        queued.append((early, len(queued), (stages, replicas, again, m, tp, sp), layout))
+                        queued.append((early, len(queued), (stages, replicas, again, m, tp, sp, ep), layout))
     # the schedules quick to make first (their best sets the bar), then the zero-bubble ones,
     # whose list-scheduled orders take seconds at hundreds of stages: each in the order of its
     # bound, best first. A configuration comes first with its bound before the cut; where that
@@ -288,19 +299,19 @@ def tune(
         if pruned(bound, layout):
             continue
         if key not in plans:
-            stages, replicas, again, m, tp, sp = key
+            stages, replicas, again, m, tp, sp, ep = key
             # without a cache model an op's price is linear in the micro-batch count, but for its
             # launches: the same stages at another count keep their cuts (priced again, not solved)
-            like = cuts.get((stages, replicas, again, tp, sp)) if device.cache_bandwidth <= 0 else None
+            like = cuts.get((stages, replicas, again, tp, sp, ep)) if device.cache_bandwidth <= 0 else None
             try:  # memory is checked per layout below, so this cut ignores the budget
-                cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages,
-                             data_parallel_size=replicas, tensor_parallel_size=tp, sequence_parallel=sp)
+                cut = Layout(schedule="1f1b", num_stages=stages, pipeline_ranks=stages, data_parallel_size=replicas,
+                             tensor_parallel_size=tp, sequence_parallel=sp, expert_parallel_size=ep)
                 plans[key] = partition_for(cut, m, False, again) if like is None else \
                     partition_for(cut, m, False, again, like)
             except PartitionError:
                 plans[key] = None
             if plans[key] is not None:
-                cuts.setdefault((stages, replicas, again, tp, sp), plans[key])
+                cuts.setdefault((stages, replicas, again, tp, sp, ep), plans[key])
         plan = plans[key]
         if plan is None:
             continue
@@ -327,6 +338,12 @@ def tune(
         return c.step_time_s
 
     fitting = sorted((c for c in candidates if c.fits), key=step_time)
+    if not candidates and no_experts:
+        raise ConfigError(
+            f"no layout of {world_size} devices leaves data-parallel replicas that the expert_parallel_size asked "
+            f"divides: the experts spread over groups of replicas of each stage, and the layouts tried had "
+            f"{sorted(set(no_experts))} replicas. Give data_parallel_size= a multiple of expert_parallel_size, or "
+            "expert_parallel_size=None")
     if not candidates and num_stages is not None:
         divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
         raise ConfigError(
@@ -356,7 +373,7 @@ def tune(
     # of the same bytes), then the one holding least memory
     near = [c for c in fitting if c.step_time_s <= fitting[0].step_time_s * (1 + options.tie)]
     best = min(near, key=lambda c: (c.layout.sharded, c.layout.tensor_parallel_size, c.layout.sequence_parallel,
-                                    c.peak_memory_bytes, c.step_time_s))
+                                    c.layout.expert_parallel_size, c.peak_memory_bytes, c.step_time_s))
     fitting.remove(best)
     fitting.insert(0, best)
     try:
@@ -364,7 +381,8 @@ def tune(
     except PartitionError:  # the solver's per-stage bound is stricter than the walk per rank that
         # found the pick within the budget (a stage's fullest moment, not its rank's): the pick's own cuts
         cut = plans[(best.layout.num_stages, best.layout.data_parallel_size, best.recompute, best.num_microbatches,
-                     best.layout.tensor_parallel_size, best.layout.sequence_parallel)]
+                     best.layout.tensor_parallel_size, best.layout.sequence_parallel,
+                     best.layout.expert_parallel_size)]
         final = partition_for(best.layout, best.num_microbatches, True, best.recompute, cut)
     again = _evaluate(final, best.layout, device, memory_budget, lay_out)
     if len(recompute) > 1 and again is not None and final.recompute is not False:
