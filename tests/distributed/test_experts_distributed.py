@@ -10,6 +10,7 @@ load-balancing loss in the loss. One spawned job per world size runs every case.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 from typing import Any
 
@@ -184,3 +185,56 @@ def test_a_checkpoint_written_at_ep2_loads_into_the_plain_model(two_ranks, check
     dcp.load(state, checkpoint_id=checkpoint)
     for n, t in state.items():
         torch.testing.assert_close(t, want[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+BF16 = dict(rtol=2e-3, atol=1e-5)  # tests/distributed/test_mixed_precision_distributed.py's bf16 round-off
+# priced as a CPU (the autocast the plan prices is the CPU's): the "loop" experts' nonzero cannot
+# run on fake tensors, so the planner runs the graph under autocast for real, as it does on a CPU
+CPU_BOUND = dataclasses.replace(COMPUTE_BOUND, name="cpu-compute-bound-test")
+
+
+def bf16_job(rank: int, world: int) -> bytes:
+    """The plain MoE at ep=2 (one stage, two replicas, two micro-batches each) under
+    mixed_precision="bf16", then under the caller's own bf16 autocast: every gradient against the
+    plain model run micro-batch by micro-batch under the same autocast, on routing the trace never
+    saw. The all-to-all carries the tokens in the dtype autocast made them. ``worst``: the largest
+    gradient difference over its tensor's largest element."""
+    from tests.distributed.test_mixed_precision_distributed import microbatch_reference
+
+    report: dict[str, Any] = {}
+    for how in ("mixed_precision", "autocast"):
+        plain, vocab = moe_zoo.build("plain")
+        traced_x, _ = _batch(vocab, 8, 1)
+        pm = replica.auto_parallel(copy.deepcopy(plain), (traced_x,), num_stages=1, num_microbatches=2,
+                                   schedule="1f1b", expert_parallel_size=2, loss_fn=_loss, device=CPU_BOUND,
+                                   cost="analytic", timeout_s=STEP_TIMEOUT_S,
+                                   mixed_precision="bf16" if how == "mixed_precision" else None)
+        x, y = _batch(vocab, 12, 2)
+        ref = microbatch_reference(plain, (x,), y, _loss, pm.plan, autocast=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast"):
+            loss = pm.train_step(x, y)
+        want = dict(ref.named_parameters())
+        worst = 0.0
+        for name, p in pm.named_parameters():
+            got, expected = whole(p.grad), want[name].grad
+            # an expert's weight gradient sums the expert group's tokens (both replicas') in one bf16
+            # matmul, where the reference makes each replica's micro-batch's in its own and adds them in
+            # fp32: the same terms, rounded to bf16 at other points (2^-8 of the sum's scale apart), so
+            # the experts are compared at 2 bf16 units of their gradient's largest element; the rest as
+            # every bf16 test compares them
+            scale = float(expected.abs().max())
+            tol = dict(rtol=2**-7, atol=2**-7 * scale) if ".experts." in name else BF16
+            torch.testing.assert_close(got, expected, **tol, msg=lambda m, name=name: f"bf16 {how} {name}: {m}")
+            worst = max(worst, float((got - expected).abs().max()) / max(scale, 1e-30))
+        report[how] = {"ep": pm.plan.layout.expert_parallel_size, "loss": float(loss), "checked": len(want),
+                       "precision": pm.plan.precision, "worst": worst}
+    return pickle.dumps(report)
+
+
+def test_ep2_under_bf16_autocast_matches_the_microbatch_reference_to_bf16_round_off() -> None:
+    reports = [pickle.loads(r) for r in run_local(bf16_job, 2, timeout_s=RUN_TIMEOUT_S)]
+    for how in ("mixed_precision", "autocast"):
+        assert all(r[how]["ep"] == 2 and r[how]["checked"] > 0 for r in reports), reports
+        assert len({r[how]["loss"] for r in reports}) == 1, reports  # the replicas' mean, on both
+        assert all(r[how]["worst"] < 2**-7 for r in reports), reports
+    assert all(r["mixed_precision"]["precision"] == "bf16" for r in reports), reports
