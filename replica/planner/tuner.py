@@ -208,8 +208,9 @@ def tune(
     ``partition_for(layout, num_microbatches, within_budget, recompute[, like])`` makes a plan for
     one replica's share of the batch (of which, where ``within_budget`` is False, only the
     cut's stages are read: their times and memory; ``like``: a plan whose cuts to keep, given
-    where ``device`` models no cache: the same stages cut at another micro-batch count); ``lay_out(plan, layout, schedule)`` gives that plan's
-    memory and collectives in ``layout`` (see :func:`_evaluate`). Both settings of activation
+    where ``device`` models no cache: the same stages cut at another micro-batch count);
+    ``lay_out(plan, layout, schedule)`` gives that plan's memory and collectives in ``layout``
+    (see :func:`_evaluate`). Both settings of activation
     ``recompute`` given are tried, and each of ``shardings`` (:data:`replica.layout.SHARDINGS`)
     where the layout allows it: more than one replica and a schedule that does not split backward,
     each sharded one in the shard groups ``shard_groups(replicas, ranks per replica)`` gives (HSDP
