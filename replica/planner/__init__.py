@@ -115,7 +115,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     _check_blocks(plan)
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
     # each MoE layer's experts over the layout's ep replicas (the one asked, or the search's): its figures
-    plan = plan_experts(traced, plan, r.expert_parallel_size, pricing.first_spec(), optimizer=r.optimizer)
+    plan = plan_experts(traced, plan, r.expert_parallel_size, pricing.first_spec(), optimizer=r.optimizer,
+                        counts=pricing.routing() if plan.layout.expert_parallel_size > 1 else None)
     if r.recompute == "pointwise" and not plan.recompute:
         plan = dataclasses.replace(plan, pointwise_recompute=True)
     # the action lists, once, from the final plan: every rank, the simulator and the report read

@@ -281,13 +281,13 @@ def state_per_byte(optimizer: str) -> float:
 
 
 def plan_experts(traced: Traced, plan: Plan, expert_parallel_size: int | None, spec: DeviceSpec, *,
-                 optimizer: str = "adam") -> Plan:
+                 optimizer: str = "adam", counts: dict[str, list[int]] | None = None) -> Plan:
     """``plan`` with the traced graph's expert blocks and the figures of its layout's
     ``expert_parallel_size`` (the user's, or the one the search chose: the layout priced it,
     :class:`~replica.planner.pricing.Pricing` adds the all-to-alls and imbalance to the stages'
     times and counts each rank's share of the experts): the busiest stage's all-to-all, its bytes
     and the routing imbalance, from :func:`expert_costs` on the example batch's routing. A size
-    asked is checked (:func:`check_experts`)."""
+    asked is checked (:func:`check_experts`). ``counts``: the routing already read (else read here)."""
     graph = traced.graph
     blocks = find_expert_blocks(graph)
     e = plan.layout.expert_parallel_size
@@ -296,7 +296,7 @@ def plan_experts(traced: Traced, plan: Plan, expert_parallel_size: int | None, s
     plan = dataclasses.replace(plan, experts=tuple(blocks))
     if e <= 1 or not blocks:
         return plan
-    counts = routing_counts(traced, blocks)
+    counts = routing_counts(traced, blocks) if counts is None else counts
     costs = expert_costs(graph, plan, blocks, e, spec, counts, state_per_byte(optimizer))
     return dataclasses.replace(plan, expert_parallel_s=costs.alltoall_s,
                                expert_parallel_bytes=int(costs.alltoall_bytes), expert_imbalance=costs.imbalance)
