@@ -137,9 +137,13 @@ def _pricing(traced: Traced, model: torch.nn.Module, r: PlanRequest, scale: int,
 def _compile_if_it_pays(traced: Traced, model: torch.nn.Module, r: PlanRequest, scale: int, compiled: Plan) -> Plan:
     """``compile=None`` where the rule turns compilation on (a GPU): ``compiled``, the chosen
     layout priced compiled, against the same layout priced eager (its own cut and rebuilds); the
-    compiled plan where it is faster by more than the planner's tie, else the eager one. Compiling
-    gains fused pointwise ops but loses the early input-gradient sends of a pipeline (a compiled
-    backward runs whole): a pipeline of few micro-batches can lose more than it gains."""
+    compiled plan where it is faster by more than the planner's tie (the compile seconds are then
+    repaid within a run), else the eager one: a model with no pointwise chains to fuse gains nothing."""
+    where = compiled.device or r.device
+    if compiled.tensor_parallel_size > 1 and all(compiled.blocks_of(s.stage_index) for s in compiled.stages):
+        # each stage holds tensor-parallel blocks, which run eagerly (replica.parallel.compile): priced alike
+        return dataclasses.replace(compiled, compile=False, compile_note=(
+            f"compile=None on {where}: off, every stage holds tensor-parallel blocks, which run eagerly"))
     pricing = _pricing(traced, model, r, scale, False)
     try:
         eager = pricing.partition_for(compiled.layout, compiled.num_microbatches,
@@ -148,14 +152,11 @@ def _compile_if_it_pays(traced: Traced, model: torch.nn.Module, r: PlanRequest, 
     except (PartitionError, ConfigError):  # the same layout eager does not fit: compiled it stays
         return compiled
     gain = eager.predicted_step_time_s / compiled.predicted_step_time_s
-    where = compiled.device or pricing.spec.name
     if gain > 1 + r.options.tie:
         return dataclasses.replace(compiled, compile_note=(
             f"compile=None on {where}: on, priced {gain:.3f}x the same layout's eager step"))
-    early = " (a compiled backward runs whole, so it sends no input gradient early)" \
-        if eager.sends_input_grads_early else ""
     return dataclasses.replace(eager, compile_note=(
-        f"compile=None on {where}: off, the same layout compiled is priced {gain:.3f}x as fast as eager{early}, "
+        f"compile=None on {where}: off, the same layout compiled is priced {gain:.3f}x as fast as eager, "
         f"on needs over {1 + r.options.tie:.2f}x; compile=True compiles anyway"))
 
 
