@@ -10,9 +10,6 @@ step the same batch:
 - ``torch-eager`` / ``torch-compiled``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` on
   the two halves a user writes by hand (benchmarks/pipeline_vs_torch.py: embeddings + blocks 0-1
   | blocks 2-3 + norm + head), compiled by hand with ``module.compile()`` (inductor);
-- ``replica-compiled-whole``: the same compiled plan with ``early_input_grads=False``: each stage's
-  backward one compiled graph, the input gradient sent after the weight gradients (what compiled
-  stages did before they sent early);
 - ``replica-auto-compiled`` (``--auto``): no hint but ``compile=True``, the tuner's layout.
 
 Compile seconds: torch's own account (dynamo + AOTAutograd + inductor, forward and backward) over
@@ -26,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -69,13 +65,9 @@ def compare(rank: int, world: int, rounds: int, steps: int, auto: bool) -> dict:
         modes[f"torch-{'compiled' if compiled else 'eager'}"] = \
             lambda m=module, s=sched: torch_step(rank, m, s, x, y)
     for name, hints in (("replica-eager", dict(compile=False)), ("replica-compiled", dict(compile=True)),
-                        ("replica-compiled-whole", dict(compile=True)),
                         *((("replica-auto-compiled", {"compile": True}),) if auto else ())):
         if "auto" not in name:
             hints = dict(hints, num_stages=2, num_microbatches=MICROBATCHES, schedule="1f1b")
-        if name == "replica-compiled-whole":  # the backward run whole: no input gradient sent before the weights'
-            fixed = replica.plan(model, (x,), world_size=world, **hints)
-            hints = {"plan": dataclasses.replace(fixed, early_input_grads=False)}
         pm = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
         summaries[name] = pm.plan.summary()
         modes[name] = lambda pm=pm: (pm.zero_grad(), pm.train_step(x, y))

@@ -14,10 +14,8 @@ last stage's output unflattening) stay outside the compiled code.
   itself and run inside its eager ``torch.utils.checkpoint``: dynamo traces a checkpoint only
   with a selective policy's ``context_fn``, not the batch-norm recompute context every region
   carries. The stage's graph breaks around each region.
-- **Deferring stages.** A stage whose linears defer their weight gradients
-  (:mod:`replica.stage.weightgrad`: every stage of a zero-bubble schedule, and under 1F1B or
-  interleaved the stages that send an input gradient to another rank before computing their
-  weight gradients) keeps those linears eager (``torch._dynamo.disable``): traced,
+- **Zero-bubble stages.** A stage whose linears defer their weight gradients
+  (:mod:`replica.stage.weightgrad`) keeps those linears eager (``torch._dynamo.disable``): traced,
   their backward would read the weight-gradient sink once, at compile time, and the W actions
   would find nothing to do. The graph breaks at each of them; the ops between them compile.
 - **FSDP2.** Its root unit's hooks sit on the stage module, outside the compiled forward; its
@@ -138,8 +136,8 @@ def runs_eagerly(plan: Plan, stage_index: int) -> str:
 def compile_stage(module: fx.GraphModule, *, deferring: bool = False, backend: str | None = None) -> CompiledStage:
     """Compile ``module`` (a stage) in place: its ``forward`` becomes a :class:`CompiledStage`
     (compiled at its first call), and so does each checkpointed block's region inside it.
-    ``deferring``: its linears defer weight gradients (a zero-bubble schedule's W actions, or an
-    early input-gradient send), kept eager. ``backend`` None: :func:`compile_backend`'s."""
+    ``deferring``: its linears defer weight gradients (a zero-bubble schedule's W actions), kept
+    eager. ``backend`` None: :func:`compile_backend`'s."""
     backend = backend or _backend.get()
     eager = _keep_eager(module, _DEFERRED) if deferring else 0
     _keep_eager(module, _OPAQUE)

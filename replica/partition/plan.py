@@ -215,11 +215,12 @@ class Plan:
     def sends_input_grads_early(self) -> bool:
         """Whether a backward that sends an input gradient to another rank sends it before
         computing its weight gradients: the plan's choice (``early_input_grads``), never where
-        sharded replicas reduce gradients inside the backward (FSDP2) or the schedule has W
-        actions of its own. Compiled stages send early too: their deferring linears run eagerly
-        between compiled graphs, as zero-bubble stages' do (replica.parallel.compile). The one
-        place this is decided; planner and runtimes read it."""
-        return self.early_input_grads and not self.layout.sharded and not self.layout.kind.splits_backward
+        sharded replicas reduce gradients inside the backward (FSDP2), the schedule has W
+        actions of its own, or the stages are compiled (the linears that defer their weight
+        gradients would run eagerly, breaking the graph: a compiled backward runs whole). The
+        one place this is decided; planner and runtimes read it."""
+        return self.early_input_grads and not self.layout.sharded and not self.layout.kind.splits_backward \
+            and not self.compile
 
     # --- derived figures -------------------------------------------------------------
     @property
@@ -303,14 +304,8 @@ class Plan:
         """One line on compilation: on or off, and why."""
         if not self.compile:
             return f"compile: off ({self.compile_note})" if self.compile_note else "compile: off"
-        if self.layout.kind.splits_backward:
-            split = " zero-bubble stages run each deferred linear eagerly between their compiled graphs (its weight " \
-                "gradient is computed by a W action);"
-        elif self.sends_input_grads_early and self.pipeline_ranks > 1:
-            split = " a stage that sends an input gradient to another rank runs its linears eagerly between " \
-                "compiled graphs, to send it before computing the weight gradients;"
-        else:
-            split = ""
+        split = " zero-bubble stages run each deferred linear eagerly between their compiled graphs (its weight " \
+                "gradient is computed by a W action);" if self.layout.kind.splits_backward else ""
         eager = [s.stage_index for s in self.stages if self.blocks_of(s.stage_index)] \
             if self.tensor_parallel_size > 1 else []
         tp = f" stages {eager} run eagerly: their tensor-parallel blocks hold strided DTensor shards dynamo does " \

@@ -138,7 +138,9 @@ def _compile_if_it_pays(traced: Traced, model: torch.nn.Module, r: PlanRequest, 
     """``compile=None`` where the rule turns compilation on (a GPU): ``compiled``, the chosen
     layout priced compiled, against the same layout priced eager (its own cut and rebuilds); the
     compiled plan where it is faster by more than the planner's tie (the compile seconds are then
-    repaid within a run), else the eager one: a model with no pointwise chains to fuse gains nothing."""
+    repaid within a run), else the eager one. A model with no pointwise chains to fuse gains
+    nothing; a compiled backward runs whole, so a pipeline of few micro-batches can lose more early
+    input-gradient sends than the fusions gain."""
     where = compiled.device or r.device
     if compiled.tensor_parallel_size > 1 and all(compiled.blocks_of(s.stage_index) for s in compiled.stages):
         # each stage holds tensor-parallel blocks, which run eagerly (replica.parallel.compile): priced alike
