@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from replica.errors import ConfigError
 
 __all__ = ["ScheduleKind", "SCHEDULE_KINDS", "schedule_kind", "schedule_names", "TUNED_SCHEDULES", "SHARDINGS",
-           "MESH_DIMS", "Layout", "Coordinates"]
+           "GRAD_SYNCS", "MESH_DIMS", "Layout", "Coordinates"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
 )}
 TUNED_SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_KINDS)
 SHARDINGS = ("none", "zero3", "zero2")  # Layout.sharding
+GRAD_SYNCS = ("step", "microbatch")  # when sharded replicas reduce-scatter a stage's gradients (StagePlan.grad_sync)
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")  # Layout.mesh_shape's names, outermost first
 
 

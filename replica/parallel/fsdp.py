@@ -10,12 +10,16 @@ block-level unit would); everything else — parameters read by ``get_attr`` (a 
 a rewritten norm), leaves outside any block, or shared between blocks — belongs to the
 stage's root unit, gathered when the stage starts.
 
-Micro-batches: every backward but a stage's last accumulates unsharded gradients
+Micro-batches (a stage's ``grad_sync``, :class:`replica.partition.plan.StagePlan`): under
+"step" every backward but a stage's last accumulates unsharded gradients
 (``set_requires_gradient_sync(False)``) and keeps the weights gathered
 (``set_reshard_after_backward(False)``), so a step reduce-scatters each gradient once, not
-once per micro-batch. ``reshard_after_forward``: True frees the gathered weights after each
-forward (ZeRO-3: gathered again for backward); False keeps them to the backward (ZeRO-2's
-memory for weights, one all-gather fewer per micro-batch).
+once per micro-batch; under "microbatch" every backward reduce-scatters its gradients and
+frees the gathered weights (FSDP2's default), so gradients accumulate sharded (LLM Foundry's
+trade: m reduce-scatters a step for 1/d of the unsharded gradients).
+``reshard_after_forward``: True frees the gathered weights after each forward (ZeRO-3:
+gathered again for backward); False keeps them to the backward (ZeRO-2's memory for weights,
+one all-gather fewer per micro-batch).
 """
 
 from __future__ import annotations
@@ -206,9 +210,10 @@ def reshard(module: torch.nn.Module) -> None:
             free()
 
 
-def set_last_backward(module: torch.nn.Module, last: bool) -> None:
+def set_last_backward(module: torch.nn.Module, last: bool, every_microbatch: bool = False) -> None:
     """Before a stage's backward of one micro-batch: reduce-scatter the gradients and free the
-    gathered weights only after its last one in the step."""
-    module.set_requires_gradient_sync(last)  # type: ignore[operator]
-    module.set_reshard_after_backward(last)  # type: ignore[operator]
-    module.set_is_last_backward(last)  # type: ignore[operator]
+    gathered weights only after its last one in the step, or (``every_microbatch``) after each."""
+    now = last or every_microbatch
+    module.set_requires_gradient_sync(now)  # type: ignore[operator]
+    module.set_reshard_after_backward(now)  # type: ignore[operator]
+    module.set_is_last_backward(now)  # type: ignore[operator]

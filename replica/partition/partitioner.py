@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from replica.errors import ConfigError, PartitionError
-from replica.layout import SHARDINGS, Layout, schedule_kind
+from replica.layout import GRAD_SYNCS, SHARDINGS, Layout, schedule_kind
 from replica.partition.blocks import block_of, find_blocks, repeated_containers
 from replica.partition.cost import CostModel
 from replica.partition.crossing import crossing_bytes, crossing_dtype
@@ -86,9 +86,13 @@ class MemoryModel:
       stage's root unit and two blocks, the running one and the one prefetched), weights and
       unsharded gradients (these until their reduce-scatter ends); under zero2 the whole
       stage's gathered weights (kept from forward to backward) and the units' gradients;
-    - with several micro-batches, under both, the whole stage's gathered weights and
-      unsharded gradients: every backward but the step's last keeps the weights gathered and
-      accumulates unsharded gradients, so that a step reduce-scatters each gradient once.
+    - with several micro-batches and ``grad_sync`` "step", under both, the whole stage's
+      gathered weights and unsharded gradients: every backward but the step's last keeps the
+      weights gathered and accumulates unsharded gradients, so that a step reduce-scatters each
+      gradient once;
+    - with several micro-batches and ``grad_sync`` "microbatch", as with one: every backward
+      reduce-scatters its gradients and frees the gathered weights, so the gradients accumulate
+      in the ``1/shards`` slice and only the units in flight hold unsharded ones, for a moment.
     """
 
     optimizer: str = "adam"
@@ -96,9 +100,12 @@ class MemoryModel:
     sharding: str = "none"
     shards: int = 1
     gather_dtype: str | None = None
+    grad_sync: str = "step"
 
     def __post_init__(self) -> None:
         check_mode(self.recompute)
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ConfigError(f"grad_sync must be one of {list(GRAD_SYNCS)}, got {self.grad_sync!r}")
         if self.optimizer not in _OPTIMIZER_STATES:
             raise ConfigError(f"unknown optimizer {self.optimizer!r} for memory; one of {sorted(_OPTIMIZER_STATES)}")
         if self.sharding not in SHARDINGS:
@@ -125,12 +132,13 @@ class MemoryModel:
         """(weights and buffers, gradients, optimizer state) a stage of ``weights`` bytes of
         weights (``gathered`` as FSDP gathers them) and ``buffers`` holds over a step; numbers
         or numpy arrays of them. ``units`` (gathered weights, gradients) is what the units in
-        flight hold at most, ``accumulating`` whether the step has several micro-batches."""
+        flight hold at most, ``accumulating`` whether the step has several micro-batches (which
+        only keeps unsharded gradients where ``grad_sync`` is "step")."""
         optimizer = self.optimizer_bytes(weights)
         if not self.sharded:
             return weights + buffers, weights, optimizer
         d = self.shards
-        if accumulating:
+        if accumulating and self.grad_sync == "step":
             kept_weights, kept_grads = gathered, weights
         else:
             kept_weights = gathered if self.sharding == "zero2" else np.minimum(units[0], gathered)
@@ -268,17 +276,20 @@ def _cast_outputs(graph: Graph, members: Sequence[Node], act: Any) -> int:
     return change
 
 
-def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
+def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel, grad_sync: Sequence[str] | None = None) -> Plan:
     """``plan`` with every stage's memory as ``memory_model`` shards it: the state slices and
     what stays gathered, and, from a plan described unsharded, no autocast weight copies. The
-    cuts and times stay: sharding moves no op."""
+    cuts and times stay: sharding moves no op. ``grad_sync``: each stage's (default: the memory
+    model's for every stage)."""
     if not memory_model.sharded:
         return plan
     units = units_in_flight(graph, memory_model)
     m = plan.num_microbatches
+    syncs = list(grad_sync) if grad_sync is not None else [memory_model.grad_sync] * plan.num_stages
     stages = []
-    for st in plan.stages:
-        parameters, gradients, optimizer = _state_bytes(graph, st.parameter_names, memory_model, units, m > 1)
+    for st, sync in zip(plan.stages, syncs):
+        model = memory_model if sync == memory_model.grad_sync else dataclasses.replace(memory_model, grad_sync=sync)
+        parameters, gradients, optimizer = _state_bytes(graph, st.parameter_names, model, units, m > 1)
         received = sum(b.nbytes for b in st.inputs)
         kept, rebuilt = st.activation_bytes, st.recompute_bytes
         if not plan.layout.sharded:  # FSDP gathers the weights already cast: no autocast copies
@@ -289,7 +300,7 @@ def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
                 rebuilt -= m * largest
         activations = int(held_activations(kept, rebuilt, received, st.in_flight, m))
         stages.append(dataclasses.replace(
-            st, activation_bytes=kept, recompute_bytes=rebuilt,
+            st, activation_bytes=kept, recompute_bytes=rebuilt, grad_sync=sync,
             memory=MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer=optimizer,
                                    activations=activations)))
     return dataclasses.replace(plan, stages=tuple(stages))
@@ -848,6 +859,7 @@ def _describe(
             recompute_bytes=rebuilt,
             in_flight=flights[k],
             weight_grad_bytes=weight_held,
+            grad_sync=memory_model.grad_sync if memory_model.sharded else "step",
         ))
     step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}

@@ -53,7 +53,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                       memory_model=MemoryModel(optimizer=r.optimizer), precision=r.precision,
                       num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
                       graded=r.graded_microbatches, options=r.options, batch_scale=scale, compile=r.compile,
-                      float8=r.float8)
+                      float8=r.float8, grad_sync=r.grad_sync)
     if (r.expert_parallel_size or 1) > 1:  # each rank holds 1/ep of the experts: what the partition weighs
         pricing.graph = sharded_experts_graph(pricing.graph, r.expert_parallel_size)
     # the mode every stage checkpoints by (None: the tuner's choice; "pointwise" checkpoints none)
@@ -84,8 +84,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                 "or sequence_parallel=None / False")
         best, _ = tune(lambda layout, m, within, again, like=None: pricing.partition_for(
                            layout, m, within_budget=within, recompute=again, simulated=within, like=like),
-                       lambda plan, layout, schedule: pricing.collectives(pricing.reshard(plan, layout), layout,
-                                                                          schedule),
+                       pricing.lay_out,
                        world_size=world, batch=pricing.global_batch, num_ops=len(traced.graph.op_nodes),
                        device=pricing.spec, memory_budget=pricing.budget_per_device(), num_stages=r.num_stages,
                        num_microbatches=r.num_microbatches, data_parallel_size=r.replicas_fixed(),

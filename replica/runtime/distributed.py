@@ -68,7 +68,8 @@ class DistributedRuntime:
         self.sharded = flags.sharded
         self.executor = Executor(stages, schedule, {me}, recompute=recompute, pointwise=plan.pointwise_recompute,
                                  rebuilds=plan.rebuilds, early_input_grads=flags.early_input_grads,
-                                 replica=mesh.data_parallel_rank, precision=precision, sharded=flags.sharded)
+                                 replica=mesh.data_parallel_rank, precision=precision, sharded=flags.sharded,
+                                 every_microbatch=flags.every_microbatch)
         self.place = self.executor.place
         self.actions = self.executor.actions
         self.stages = self.executor.stages

@@ -163,16 +163,18 @@ class Executor:
     its weight gradients; ``replica`` seeds this data-parallel replica's random ops;
     ``precision`` ("bf16" / "fp16") runs every forward and the loss under autocast;
     ``sharded``: the stage modules are FSDP2 roots, told before each backward whether it is
-    their last of the step (only then are gradients reduce-scattered).
+    their last of the step (only then are gradients reduce-scattered), but the stages in
+    ``every_microbatch``, which reduce-scatter after each backward.
     """
 
     def __init__(self, stages: Sequence[StageModule], schedule: Schedule, ranks: Collection[int], *,
                  recompute: bool | Mapping[int, str] = False, pointwise: bool = False,
                  rebuilds: Iterable[tuple[int, str]] = (),
                  early_input_grads: bool = False, replica: int = 0, precision: str = "fp32",
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, every_microbatch: Collection[int] = ()) -> None:
         self.precision = precision
         self.sharded = sharded  # stage modules under FSDP2: see parallel/fsdp.py
+        self.every_microbatch = frozenset(every_microbatch)
         self.place = placement(schedule)
         self.stages = {s.stage_index: s for s in stages if self.place[s.stage_index] in ranks}
         self.actions: list[Action] = (list(schedule[next(iter(ranks))]) if len(ranks) == 1
@@ -233,7 +235,7 @@ class Executor:
                 clock.end(action)
             elif action.kind == BACKWARD:
                 if self.sharded:
-                    set_last_backward(stage.module, n == self.last_backward[k])
+                    set_last_backward(stage.module, n == self.last_backward[k], k in self.every_microbatch)
                 # W inside B: weight gradients straight into .grad, unless the reducer's hooks
                 # must see autograd accumulate them (the last backward, data-parallel)
                 sink = WeightGrads() if split or early else (None if last else WeightGrads(now=True))
