@@ -92,7 +92,7 @@ def test_zero2_keeps_the_gathered_weights_from_forward_to_backward():
 def test_accumulating_micro_batches_keep_the_whole_stage_gathered_and_its_gradients_unsharded(sharding):
     memory = plan(sharding, microbatches=2).stages[0].memory
     assert memory.parameters == pytest.approx(WEIGHTS / WORLD + WEIGHTS, abs=1)
-    assert memory.gradients == pytest.approx(WEIGHTS / WORLD + WEIGHTS, abs=1)
+    assert memory.gradients == pytest.approx(WEIGHTS, abs=1)  # the slice is made as they are freed
 
 
 @pytest.mark.parametrize("sharding", ["zero3", "zero2"])
@@ -110,7 +110,7 @@ def test_bf16_gathers_half_the_bytes_and_autocast_copies_nothing():
     whole = plan(False, microbatches=2, mixed_precision="bf16").stages[0]
     zero3 = plan("zero3", microbatches=2, mixed_precision="bf16").stages[0]
     assert zero3.memory.parameters == pytest.approx(WEIGHTS / WORLD + WEIGHTS / 2, abs=1)  # gathered in bf16
-    assert zero3.memory.gradients == pytest.approx(WEIGHTS / WORLD + WEIGHTS, abs=1)  # reduced in fp32
+    assert zero3.memory.gradients == pytest.approx(WEIGHTS, abs=1)  # reduced in fp32
     model, inputs = model_and_inputs()
     graph = Pricing(trace(model, inputs), model, device=SPEC, cost="analytic", memory_budget=None,
                     memory_model=MemoryModel(), num_microbatches=2, num_stages_hint=1, precision="bf16").graph

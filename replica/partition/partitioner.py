@@ -89,7 +89,8 @@ class MemoryModel:
     - with several micro-batches and ``grad_sync`` "step", under both, the whole stage's
       gathered weights and unsharded gradients: every backward but the step's last keeps the
       weights gathered and accumulates unsharded gradients, so that a step reduce-scatters each
-      gradient once;
+      gradient once (the gradients' slice is made as the unsharded ones are freed, unit by unit,
+      in the last backward: the gradients count the whole stage's, not the slice on top);
     - with several micro-batches and ``grad_sync`` "microbatch", as with one: every backward
       reduce-scatters its gradients and frees the gathered weights, so the gradients accumulate
       in the ``1/shards`` slice and only the units in flight hold unsharded ones, for a moment.
@@ -139,10 +140,11 @@ class MemoryModel:
             return weights + buffers, weights, optimizer
         d = self.shards
         if accumulating and self.grad_sync == "step":
-            kept_weights, kept_grads = gathered, weights
-        else:
-            kept_weights = gathered if self.sharding == "zero2" else np.minimum(units[0], gathered)
-            kept_grads = np.minimum(units[1], weights)
+            # the whole stage's unsharded gradients through the step; their slice is made as each
+            # unit's are reduce-scattered in the last backward and freed: it never adds to them
+            return weights / d + gathered + buffers, weights, optimizer / d
+        kept_weights = gathered if self.sharding == "zero2" else np.minimum(units[0], gathered)
+        kept_grads = np.minimum(units[1], weights)
         return weights / d + kept_weights + buffers, weights / d + kept_grads, optimizer / d
 
 
