@@ -143,12 +143,6 @@ class Layout:
         if self.sharding != "none" and self.data_parallel_size == 1:
             raise ConfigError(f"sharding={self.sharding!r} shards over data-parallel replicas, but this layout has "
                               f"one ({self.pipeline_ranks} pipeline ranks); use sharding='none' or more replicas")
-        if self.sharding != "none" and kind.splits_backward:
-            raise ConfigError(
-                f"sharded data parallelism (sharding={self.sharding!r}) cannot run the zero-bubble schedule "
-                f"{kind.name!r} yet: FSDP reduces a weight's gradient when autograd makes it, before a deferred "
-                "W action. Use gpipe, 1f1b or interleaved with sharding"
-            )
         if self.shard_group_size is not None:
             _positive("shard_group_size", self.shard_group_size)
             d, g = self.data_parallel_size, self.shard_group_size

@@ -339,14 +339,28 @@ def test_a_named_sharding_is_kept():
     assert plan("zero2").layout.sharding == "zero2"
 
 
-def test_sharding_needs_replicas_and_a_whole_backward():
+def test_sharding_needs_replicas():
     model, inputs = model_and_inputs()
     with pytest.raises(ConfigError, match="plans for one process"):
         replica.plan(model, inputs, num_stages=2, sharded_data_parallel=True, device=SPEC, cost="analytic")
-    with pytest.raises(ConfigError, match="zero-bubble"):
-        plan(True, schedule="zb-h1", num_stages=2, microbatches=2, world_size=2 * WORLD)
     with pytest.raises(ConfigError, match="sharded_data_parallel must be"):
         PlanRequest(sharded_data_parallel="zero1")
+
+
+def test_a_zero_bubble_stage_holds_its_linears_gathered_from_b_to_w():
+    """zb-h1 with sharded replicas (#39): the deferred linears read their weights outside the blocks'
+    units, so the whole stage is gathered with its unsharded gradients either way; each W reduces
+    ("microbatch"), or the step's last one ("step")."""
+    zb = dict(schedule="zb-h1", num_stages=2, microbatches=2, world_size=2 * WORLD)
+    step, every = (plan("zero3", grad_sync=sync, **zb) for sync in ("step", "microbatch"))
+    for p in (step, every):
+        assert p.layout.schedule == "zb-h1" and p.layout.sharding == "zero3"
+    for s, e in zip(step.stages, every.stages):
+        weights = s.memory.optimizer / 2 * WORLD  # Adam's two moments of the 1/WORLD slice
+        assert s.memory.parameters == pytest.approx(weights / WORLD + weights, abs=1)
+        assert s.memory.gradients == pytest.approx(weights, abs=1)
+        assert e.memory.gradients == pytest.approx(weights / WORLD + weights, abs=1)
+        assert e.collective_s > s.collective_s
 
 
 # --------------------------------------------------------------------------- what the plan says

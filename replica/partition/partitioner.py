@@ -93,7 +93,12 @@ class MemoryModel:
       in the last backward: the gradients count the whole stage's, not the slice on top);
     - with several micro-batches and ``grad_sync`` "microbatch", as with one: every backward
       reduce-scatters its gradients and frees the gathered weights, so the gradients accumulate
-      in the ``1/shards`` slice and only the units in flight hold unsharded ones, for a moment.
+      in the ``1/shards`` slice and only the units in flight hold unsharded ones, for a moment;
+    - under a split backward (``split_backward``: zero-bubble's W actions), the stage's linears
+      read their weights by ``get_attr`` (:func:`replica.stage.weightgrad.defer_linear_weight_grads`),
+      so FSDP holds them in the stage's root unit, gathered with their unsharded gradients from a
+      B to its W, which overlap for the whole steady state: the whole stage, either way (reducing
+      every micro-batch then only adds the slice).
     """
 
     optimizer: str = "adam"
@@ -102,6 +107,7 @@ class MemoryModel:
     shards: int = 1
     gather_dtype: str | None = None
     grad_sync: str = "step"
+    split_backward: bool = False
 
     def __post_init__(self) -> None:
         check_mode(self.recompute)
@@ -139,6 +145,8 @@ class MemoryModel:
         if not self.sharded:
             return weights + buffers, weights, optimizer
         d = self.shards
+        if self.split_backward:  # every linear in the root unit, gathered with its gradients from B to W
+            units = (np.inf, np.inf)
         if accumulating and self.grad_sync == "step":
             # the whole stage's unsharded gradients through the step; their slice is made as each
             # unit's are reduce-scattered in the last backward and freed: it never adds to them

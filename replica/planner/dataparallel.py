@@ -96,12 +96,13 @@ def _actions(kinds: Sequence[str], sharding: str, grad_sync: str = "step") -> li
     """Per action: whether it gathers the stage's weights (it finds them resharded: zero3
     reshards after each forward, both after the step's last backward, or after every backward
     under ``grad_sync`` "microbatch") and whether it reduces the gradients (the step's last
-    backward; every backward under "microbatch")."""
-    last = max((i for i, k in enumerate(kinds) if k == BACKWARD), default=-1)
+    backward; every backward under "microbatch"; the W actions instead where there are some)."""
+    reducer = WEIGHT if WEIGHT in kinds else BACKWARD  # under a split backward the gradients are final after W
+    last = max((i for i, k in enumerate(kinds) if k == reducer), default=-1)
     every = grad_sync == "microbatch"
     gathered, out = False, []
     for i, kind in enumerate(kinds):
-        reduces = i == last or (every and kind == BACKWARD)
+        reduces = i == last or (every and kind == reducer)
         out.append((not gathered, reduces))
         gathered = not (kind == FORWARD and sharding == "zero3") and not reduces
     return out

@@ -294,7 +294,8 @@ class Pricing:
         solver cuts within the budget by; :meth:`sync_grads` then keeps "step" where it fits)."""
         return dataclasses.replace(self.memory_model, recompute=recompute, sharding=layout.sharding,
                                    shards=layout.dp_shard,
-                                   grad_sync="step" if self.grad_sync == "step" or not layout.sharded else "microbatch")
+                                   grad_sync="step" if self.grad_sync == "step" or not layout.sharded else "microbatch",
+                                   split_backward=layout.sharded and layout.kind.splits_backward)
 
     def reshard(self, plan: Plan, layout: Layout) -> Plan:
         """``plan``, cut unsharded, laid out as ``layout``: its stages' memory as that sharding

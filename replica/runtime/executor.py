@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint
 
 from replica.errors import PipelineError
-from replica.parallel.fsdp import set_last_backward
+from replica.parallel.fsdp import reduce_now, set_last_backward
 from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
 from replica.precision import autocast_for
@@ -164,7 +164,8 @@ class Executor:
     ``precision`` ("bf16" / "fp16") runs every forward and the loss under autocast;
     ``sharded``: the stage modules are FSDP2 roots, told before each backward whether it is
     their last of the step (only then are gradients reduce-scattered), but the stages in
-    ``every_microbatch``, which reduce-scatter after each backward.
+    ``every_microbatch``, which reduce-scatter after each backward; where a W action computes a
+    micro-batch's weight gradients after its B, the reduce-scatter follows that W instead.
     """
 
     def __init__(self, stages: Sequence[StageModule], schedule: Schedule, ranks: Collection[int], *,
@@ -234,8 +235,9 @@ class Executor:
                 del out  # the graph stays only where its backward will let go of it
                 clock.end(action)
             elif action.kind == BACKWARD:
-                if self.sharded:
-                    set_last_backward(stage.module, n == self.last_backward[k], k in self.every_microbatch)
+                if self.sharded:  # a B whose W comes later reduces nothing: its gradients are not final
+                    final = n == self.last_backward[k] or (k, i) in self.fused and n + 1 == self.last_backward[k]
+                    set_last_backward(stage.module, final and not split, k in self.every_microbatch and not split)
                 # W inside B: weight gradients straight into .grad, unless the reducer's hooks
                 # must see autograd accumulate them (the last backward, data-parallel)
                 sink = WeightGrads() if split or early else (None if last else WeightGrads(now=True))
@@ -250,6 +252,8 @@ class Executor:
                     deferred[(k, i)] = sink
             elif (k, i) not in self.fused:  # W: the weight gradients B left for later
                 deferred.pop((k, i)).apply()
+                if self.sharded and (n == self.last_backward[k] or k in self.every_microbatch):
+                    reduce_now(stage.module)  # no autograd pass follows W to run FSDP's hooks
                 clock.end(action)
             if last:
                 reducer.flush(k)

@@ -109,10 +109,8 @@ def test_two_stages_by_two_sharded_replicas_on_four_ranks() -> None:
     _assert_sharded(_run(sharded_job, 4, runs), 2)
 
 
-def test_sharding_refuses_zero_bubble_schedules() -> None:
+def test_sharding_refuses_one_replica() -> None:
     model, inputs, _, _ = models.tiny_gpt(8)
-    with pytest.raises(replica.ConfigError, match="zero-bubble"):
-        replica.plan(model, inputs, world_size=4, num_stages=2, schedule="zb-h1", sharded_data_parallel=True)
     with pytest.raises(replica.ConfigError, match="one"):
         replica.plan(model, inputs, world_size=2, num_stages=2, sharded_data_parallel=True)
 
@@ -246,22 +244,26 @@ def grad_sync_job(rank: int, world: int, runs: tuple[tuple[str | None, dict], ..
 
 
 def test_reduce_scatter_every_microbatch_gives_the_plain_gradients_on_four_ranks() -> None:
-    """grad_sync="microbatch" (#39): every backward reduce-scatters, so a step starts m times as many
-    reduce-scatters as grad_sync="step", and every gradient is still the plain model's: 2 stages x 2
-    zero3 replicas (1F1B; interleaved, 2 stages a rank), and zero2 under bf16."""
+    """grad_sync="microbatch" (#39): every micro-batch's gradients are reduce-scattered once they are
+    final, so a step starts m times as many reduce-scatters as grad_sync="step", and every gradient is
+    still the plain model's: 2 stages x 2 zero3 replicas under 1F1B, interleaved (2 stages a rank) and
+    zb-h1 (after each W); zb-h1 reducing once a step (after the last W) under bf16 with zero2."""
     sharded = dict(sharded_data_parallel="zero3", num_microbatches=4)
     runs = ((None, dict(num_stages=2, schedule="1f1b", grad_sync="step", **sharded)),
             (None, dict(num_stages=2, schedule="1f1b", grad_sync="microbatch", **sharded)),
             (None, dict(num_stages=4, schedule="interleaved", data_parallel_size=2, grad_sync="microbatch",
                         **sharded)),
-            ("bf16", dict(num_stages=2, schedule="1f1b", grad_sync="microbatch", num_microbatches=4,
+            (None, dict(num_stages=2, schedule="zb-h1", grad_sync="microbatch", **sharded)),
+            ("bf16", dict(num_stages=2, schedule="zb-h1", grad_sync="step", num_microbatches=4,
                           sharded_data_parallel="zero2")))
     reports = _run(grad_sync_job, 4, runs)
     for r in reports:
-        two_step, two_micro, interleaved, bf16 = r
-        assert two_step["syncs"] == ["step"] * 2, r
-        assert two_micro["syncs"] == ["microbatch"] * 2 and interleaved["syncs"] == ["microbatch"] * 4, r
+        step, every, interleaved, zb_every, zb_step = r
+        assert step["syncs"] == zb_step["syncs"] == ["step"] * 2, r
+        assert every["syncs"] == zb_every["syncs"] == ["microbatch"] * 2, r
+        assert interleaved["syncs"] == ["microbatch"] * 4, r
         assert "interleaved" in interleaved["layout"] and "2 data (zero3" in interleaved["layout"], r
-        assert two_step["reduce_scatters"] > 0 and interleaved["reduce_scatters"] % 4 == 0, r
-        assert two_micro["reduce_scatters"] == 4 * two_step["reduce_scatters"], r
-        assert bf16["syncs"] == ["microbatch"] * 2 and bf16["reduce_scatters"] == two_micro["reduce_scatters"], r
+        assert "zb-h1" in zb_every["layout"] and "2 data (zero2" in zb_step["layout"], r
+        assert step["reduce_scatters"] > 0 and interleaved["reduce_scatters"] % 4 == 0, r
+        assert every["reduce_scatters"] == 4 * step["reduce_scatters"], r
+        assert zb_every["reduce_scatters"] == 4 * zb_step["reduce_scatters"] > 0, r
