@@ -293,7 +293,7 @@ def test_the_planner_reduces_every_micro_batch_only_where_the_step_would_not_fit
     assert "over the" in tight.grad_sync_note
     assert "reduce-scattered every micro-batch (2 times a step" in tight.summary()
     roomy = plan("zero3", microbatches=2, memory_budget=step)
-    assert [s.grad_sync for s in roomy.stages] == ["step"] and roomy.grad_sync_note == ""
+    assert [s.grad_sync for s in roomy.stages] == ["step"] and "fits the" in roomy.grad_sync_note
     assert roomy.predicted_step_time_s < tight.predicted_step_time_s  # one reduce-scatter, fewer gathers
     assert "reduce-scattered once" in roomy.summary()
 

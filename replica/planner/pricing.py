@@ -331,7 +331,10 @@ class Pricing:
         budget = self.budget_per_device()
         over = {r: b for r, b in enumerate(peaks) if b > budget}
         if not over:
-            return dataclasses.replace(step, grad_sync_note="")
+            room = f"the {format_bytes(budget, '.2f')} budget" if budget < float("inf") else "no memory budget"
+            return dataclasses.replace(step, grad_sync_note=(
+                f"accumulating unsharded gradients over the step fits {room} on every rank (at most "
+                f"{format_bytes(max(peaks), '.2f')}): one reduce-scatter a step"))
         syncs = ["microbatch" if where[k] in over else "step" for k in range(plan.num_stages)]
         mixed = reshard(graph, plan, model, syncs)
         after = rank_memory(stage_costs_from_plan(mixed, schedule, device=self.first_spec()), schedule)
