@@ -347,6 +347,16 @@ def test_sharding_needs_replicas():
         PlanRequest(sharded_data_parallel="zero1")
 
 
+def test_sharding_refuses_zb_v():
+    """zb-v's V puts the first and last stages on one rank: a tied weight would sit in two FSDP roots."""
+    with pytest.raises(ConfigError, match="zb-v.*two FSDP roots"):
+        plan(True, schedule="zb-v", num_stages=4, microbatches=2, world_size=WORLD, data_parallel_size=2)
+    with pytest.raises(ConfigError, match="two FSDP roots"):
+        Layout(schedule="zb-v", num_stages=4, pipeline_ranks=2, data_parallel_size=2, sharding="zero3")
+    p = plan(None, schedule="zb-v", num_stages=4, microbatches=2, world_size=WORLD, data_parallel_size=2)
+    assert p.layout.sharding == "none"
+
+
 def test_a_zero_bubble_stage_holds_its_linears_gathered_from_b_to_w():
     """zb-h1 with sharded replicas (#39): the deferred linears read their weights outside the blocks'
     units, so the whole stage is gathered with its unsharded gradients either way; each W reduces

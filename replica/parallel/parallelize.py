@@ -156,8 +156,11 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
             # a checkpointed block's linears compute their weight gradients in B: deferred to W,
             # they would keep the block's recomputed inputs alive until then
             defer_linear_weight_grads(stage.module, skip=in_blocks(checkpointed_blocks(plan, stage.stage_index)))
-        if plan.pointwise_recompute or plan.rebuilds:
-            rebuildable_norms(stage.module)  # norms that note their eps, so that their outputs can be rebuilt
+        # norms that note their eps, so that their outputs can be rebuilt; not where FSDP may free a
+        # norm's weight between the B that keeps its input and the W that would rebuild it
+        if (plan.pointwise_recompute or plan.rebuilds) and not (flags.sharded and stage.stage_index in flags.deferring
+                                                                 and splits_backward(schedule)):
+            rebuildable_norms(stage.module)
     # 3. activation checkpointing: each stage's blocks, as its plan says
     for stage in mine:
         blocks = checkpointed_blocks(plan, stage.stage_index)

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from replica.errors import ConfigError, PartitionError
-from replica.layout import Layout
+from replica.layout import _V_SHARDING, Layout
 from replica.partition.blocks import find_blocks
 from replica.partition.graph import fingerprint
 from replica.partition.partitioner import MemoryModel
@@ -144,7 +144,10 @@ def _sequence_choices(pricing: Pricing, r: PlanRequest, tensor_parallel_size: in
 
 
 def _check_shardable(r: PlanRequest) -> None:
-    """A request that must shard names a layout sharding can run: replicas."""
+    """A request that must shard names a layout sharding can run: replicas, not zb-v's V."""
+    if r.schedule == "zb-v":
+        raise ConfigError(_V_SHARDING.format(asked=f"sharded_data_parallel={r.sharded_data_parallel!r}",
+                                             name=r.schedule) + ", or schedule='auto'")
     if r.replicas_fixed() == 1:
         where = ("this plans for one process (no world_size=, no process group): run auto_parallel or the Trainer "
                  "under torchrun (torchrun --nproc_per_node N), or give replica.plan world_size=N; in one process use"
@@ -182,7 +185,7 @@ def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool | str
     d = layout.data_parallel_size
     per_replica = layout.pipeline_ranks * layout.tensor_parallel_size
     allowed = [(s, None) if s == "none" else (s, None if g == d else g)
-               for s in r.shardings if s == "none" or d > 1
+               for s in r.shardings if s == "none" or (d > 1 and layout.kind.placement != "v")
                for g in ((d,) if s == "none" else r.shard_groups(d, per_replica, pricing.spec.devices_per_node))]
     plans: list[Plan] = []
     errors: dict[str, PartitionError] = {}
