@@ -253,6 +253,10 @@ def trace(
             f"ids; an image's sides stay fixed), 'batch' (only the batch: quickest to export) or 'all' (every "
             f"dim the code allows: slowest), got {dynamic_dims!r}"
         )
+    leaf_modules = () if leaf_modules is None else leaf_modules  # None: no module kept whole, as the other options
+    if isinstance(leaf_modules, (str, type, torch.nn.Module)) or not isinstance(leaf_modules, Iterable):
+        raise ConfigError(f"leaf_modules must be a list of module classes, qualified names or sub-modules, got "
+                          f"{leaf_modules!r}; e.g. leaf_modules=[{getattr(leaf_modules, '__name__', 'MyBlock')}]")
     with untouched(model):  # tracing runs the model's code (export: on fake tensors; the shapes: maybe real)
         return _trace(model, example_inputs, example_kwargs, tuple(leaf_modules), tracer, dynamic_dims)
 
