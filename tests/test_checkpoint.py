@@ -56,6 +56,11 @@ def test_the_checkpoint_is_complete_checksummed_and_keyed_by_name(tmp_path: Path
     assert manifest["trainer"] | {"layout": None} == {
         "step": 2, "epoch": 0, "batch": 2, "call": 0, "call_start_epoch": 0, "batch_size": 32, "shuffle": True,
         "seed": 0, "num_samples": 100, "layout": None}
+    plan = trainer.pipeline.plan  # the manifest records the plan that wrote it
+    assert manifest["trainer"]["layout"] == {
+        "num_stages": plan.num_stages, "num_microbatches": plan.num_microbatches, "schedule": plan.schedule,
+        "data_parallel_size": 1, "tensor_parallel_size": 1, "sharding": plan.layout.sharding,
+        "shard_group_size": plan.layout.shard_group_size, "describe": plan.layout.describe(), "world_size": 1}
     assert ckpt.verify(path) is None
     # torch.distributed.checkpoint alone loads the weights into the plain model's state_dict, original names
     plain = small_cnn()
