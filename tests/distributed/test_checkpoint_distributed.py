@@ -114,7 +114,23 @@ def other_layouts_job(rank: int, world: int, root: str, legs: list) -> bytes:
         report.append((first.pipeline.plan.layout.describe(), first.pipeline.plan.precision,
                        second.pipeline.plan.layout.describe(), second.resumed_from.name, second.step,
                        last[-1]["loss"]))
-    return _portable(report)
+    # the disk fills up under rank 1 while it writes its shards of step 3 again: every rank says so
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if rank == 1 and isinstance(obj, torch.Tensor):  # DCP writes each tensor with torch.save
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = full_disk
+    try:
+        second.save_checkpoint()
+        failed = None
+    except replica.CheckpointError as exc:
+        failed = str(exc)
+    finally:
+        torch.save = real_save
+    return _portable({"legs": report, "full_disk": failed})
 
 
 def _reference(steps: int, autocast: bool = False) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
@@ -253,8 +269,15 @@ def _bf16_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 
 
 def test_other_layouts_resave_the_same_state_and_continue_the_run(tmp_path: Path) -> None:
-    reports = _run(other_layouts_job, 4, str(tmp_path), OTHER_LEGS)
+    ranks = _run(other_layouts_job, 4, str(tmp_path), OTHER_LEGS)
+    reports, full_disk = [r["legs"] for r in ranks], [r["full_disk"] for r in ranks]
     assert all(r == reports[0] for r in reports), reports  # every rank reports the same loss
+    # a full disk on one rank: a CheckpointError on every rank naming the directory; step 3 stays as it was
+    last = tmp_path / f"b{len(OTHER_LEGS) - 1}"
+    for said in full_disk:
+        assert said is not None and f"{last / '.tmp-step-00000003'}" in said and "No space left" in said, said
+    assert [p.name for p in ckpt.checkpoints(last)] == ["step-00000002", "step-00000003"]
+    assert ckpt.verify(last / "step-00000003") is None
     reference, losses = _reference(3)
     for i, (before, precision, after, resumed_from, step, loss) in enumerate(reports[0]):
         assert resumed_from == "step-00000002" and step == 3, reports[0][i]
