@@ -10,8 +10,8 @@ loading ranks hold, so a checkpoint resumes in any layout.
 These state dicts are built here, not by torch's ``get_state_dict`` / ``set_state_dict``: a rank's
 share can be several stage modules under one optimizer, a tied weight is written by one stage
 only, and a fused q/k/v weight's share goes to DCP box by box (:mod:`replica.checkpoint.pieces`).
-What DCP receives is what ``get_state_dict(..., full_state_dict=False)`` would hand it: tensors
-and DTensors as held, nothing gathered, but under the plain model's names.
+As with ``get_state_dict(..., full_state_dict=False)``, DCP receives tensors and DTensors as held,
+nothing gathered; the keys are the plain model's names.
 """
 
 from __future__ import annotations
