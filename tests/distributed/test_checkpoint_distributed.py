@@ -5,11 +5,13 @@ its AdamW; the step after each resume equals the uninterrupted run's. Every
 rank writes its own shards, torch.distributed.checkpoint alone reads them into the plain model, and
 another model's checkpoint is refused by name on every rank.
 
-One ``run_local`` job does every distributed layout in sequence; the one-process resumes run here.
+One ``run_local`` job does every distributed layout in sequence: first layouts the chain does not visit (bf16
+among them) and a full disk under one rank, then the chain; the one-process resumes run here.
 """
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 
@@ -133,6 +135,19 @@ def other_layouts_job(rank: int, world: int, root: str, legs: list) -> bytes:
     return _portable({"legs": report, "full_disk": failed})
 
 
+def checkpoint_job(rank: int, world: int, root: str, legs: list) -> bytes:
+    """Both jobs in one start of 4 ranks (starting them costs more here than their steps)."""
+    other = pickle.loads(other_layouts_job(rank, world, str(Path(root) / "legs"), legs))
+    chain = pickle.loads(layouts_job(rank, world, str(Path(root) / "chain")))
+    return _portable({"chain": chain, "legs": other})
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return root, _run(checkpoint_job, 4, str(root), OTHER_LEGS)
+
+
 def _reference(steps: int, autocast: bool = False) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     """The uninterrupted run, in plain torch (under bf16 autocast with ``autocast``): the weights after
     each step (index 0: the initial ones) and each step's loss."""
@@ -156,8 +171,8 @@ def _stored(step: Path) -> dict[str, torch.Tensor]:
     return weights(plain)
 
 
-def test_a_checkpoint_resumes_in_any_layout_and_continues_the_uninterrupted_run(tmp_path: Path) -> None:
-    reports = _run(layouts_job, 4, str(tmp_path))
+def test_a_checkpoint_resumes_in_any_layout_and_continues_the_uninterrupted_run(four_ranks) -> None:
+    tmp_path, reports = four_ranks[0] / "chain", [r["chain"] for r in four_ranks[1]]
     reference, losses = _reference(6)
     a, b, b2 = reports[0]["a"], reports[0]["b"], reports[0]["b2"]
     assert "2 pipeline x 2 data (zero3" in a[0] and a[1] == 2, a
@@ -268,8 +283,8 @@ def _bf16_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     assert far <= 0.005 * total and worst <= 2 * LR, (far, total, worst)
 
 
-def test_other_layouts_resave_the_same_state_and_continue_the_run(tmp_path: Path) -> None:
-    ranks = _run(other_layouts_job, 4, str(tmp_path), OTHER_LEGS)
+def test_other_layouts_resave_the_same_state_and_continue_the_run(four_ranks) -> None:
+    tmp_path, ranks = four_ranks[0] / "legs", [r["legs"] for r in four_ranks[1]]
     reports, full_disk = [r["legs"] for r in ranks], [r["full_disk"] for r in ranks]
     assert all(r == reports[0] for r in reports), reports  # every rank reports the same loss
     # a full disk on one rank: a CheckpointError on every rank naming the directory; step 3 stays as it was
