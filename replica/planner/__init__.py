@@ -49,13 +49,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                 "let the planner choose"
             )
         scale = fixed
-    pricing = Pricing(traced, model, device=r.device, cost=r.cost, memory_budget=r.memory_budget,
-                      memory_model=MemoryModel(optimizer=r.optimizer), precision=r.precision,
-                      num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
-                      graded=r.graded_microbatches, options=r.options, batch_scale=scale, compile=r.compile,
-                      float8=r.float8)
-    if (r.expert_parallel_size or 1) > 1:  # each rank holds 1/ep of the experts: what the partition weighs
-        pricing.graph = sharded_experts_graph(pricing.graph, r.expert_parallel_size)
+    pricing = _pricing(traced, model, r, scale, r.compile)
     # the mode every stage checkpoints by (None: the tuner's choice; "pointwise" checkpoints none)
     full = False if r.recompute == "pointwise" else r.recompute
     if needs_blocks(full) and not find_blocks([n.module_path for n in traced.graph]):
@@ -109,6 +103,8 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
         plan = _shard_fixed(pricing, layout, m, full or False, r, r.options.tie)
     _check_blocks(plan)
     plan = finish(pricing, plan, pricing.batch_fraction(plan.layout), rebuild=rebuild)
+    if r.compile is None and pricing.compiled and not r.float8:
+        plan = _compile_if_it_pays(traced, model, r, scale, plan)
     # each MoE layer's experts over ep replicas: the one asked, or the fastest that fits; priced
     plan = plan_experts(traced, plan, r.expert_parallel_size, pricing.first_spec(),
                         budget=pricing.budget_per_device(), tie=r.options.tie, optimizer=r.optimizer)
@@ -124,6 +120,43 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     # the traced graph's own fingerprint (a tensor-parallel plan is priced on a copy with cut shapes)
     return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims, actions=actions, action_starts=action_starts,
                                graph_fingerprint=fingerprint(traced.graph))
+
+
+def _pricing(traced: Traced, model: torch.nn.Module, r: PlanRequest, scale: int, compile: bool | None) -> Pricing:
+    """The request's prices of ``traced``, its stages compiled or not as ``compile`` says."""
+    pricing = Pricing(traced, model, device=r.device, cost=r.cost, memory_budget=r.memory_budget,
+                      memory_model=MemoryModel(optimizer=r.optimizer), precision=r.precision,
+                      num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
+                      graded=r.graded_microbatches, options=r.options, batch_scale=scale, compile=compile,
+                      float8=r.float8)
+    if (r.expert_parallel_size or 1) > 1:  # each rank holds 1/ep of the experts: what the partition weighs
+        pricing.graph = sharded_experts_graph(pricing.graph, r.expert_parallel_size)
+    return pricing
+
+
+def _compile_if_it_pays(traced: Traced, model: torch.nn.Module, r: PlanRequest, scale: int, compiled: Plan) -> Plan:
+    """``compile=None`` where the rule turns compilation on (a GPU): ``compiled``, the chosen
+    layout priced compiled, against the same layout priced eager (its own cut and rebuilds); the
+    compiled plan where it is faster by more than the planner's tie, else the eager one. Compiling
+    gains fused pointwise ops but loses the early input-gradient sends of a pipeline (a compiled
+    backward runs whole): a pipeline of few micro-batches can lose more than it gains."""
+    pricing = _pricing(traced, model, r, scale, False)
+    try:
+        eager = pricing.partition_for(compiled.layout, compiled.num_microbatches,
+                                      recompute=tuple(s.recompute for s in compiled.stages))
+        eager = finish(pricing, eager, pricing.batch_fraction(compiled.layout), rebuild=r.recompute is not False)
+    except (PartitionError, ConfigError):  # the same layout eager does not fit: compiled it stays
+        return compiled
+    gain = eager.predicted_step_time_s / compiled.predicted_step_time_s
+    where = compiled.device or pricing.spec.name
+    if gain > 1 + r.options.tie:
+        return dataclasses.replace(compiled, compile_note=(
+            f"compile=None on {where}: on, priced {gain:.3f}x the same layout's eager step"))
+    early = " (a compiled backward runs whole, so it sends no input gradient early)" \
+        if eager.sends_input_grads_early else ""
+    return dataclasses.replace(eager, compile_note=(
+        f"compile=None on {where}: off, the same layout compiled is priced {gain:.3f}x as fast as eager{early}, "
+        f"on needs over {1 + r.options.tie:.2f}x; compile=True compiles anyway"))
 
 
 def _worth_cutting(pricing: Pricing, sizes: Sequence[int], asked: bool) -> tuple[int, ...]:

@@ -45,4 +45,5 @@ def compile_choice(asked: bool | None, spec: DeviceSpec, weights_on: str, float8
         where = spec.name if target_device_type(spec) == "cpu" else f"a model on the CPU (priced as {spec.name})"
         return False, (f"compile=None for {where}: off by the planner's rule, inductor's CPU build costs tens of "
                        "seconds per graph (benchmarks/compile.py); compile=True turns it on")
+    # on for now: make_plan prices the chosen layout eager too and keeps the faster (_compile_if_it_pays)
     return True, f"compile=None on {spec.name}: on by the planner's rule, a GPU repays the compile within the run"

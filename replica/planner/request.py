@@ -62,9 +62,9 @@ class PlanningOptions:
     stage; ``"pointwise"``: rebuild GELU / SiLU outputs in backward on stages that hold several
     micro-batches; False: none of these; None: the tuner decides), ``compile`` (True: every stage runs
     through ``torch.compile``, inductor, after activation checkpointing and before FSDP2, priced with
-    its fused pointwise ops; False: eager; None: the planner's rule, on where the plan is for a GPU and
-    the weights are not on a CPU, off on a CPU, said in the plan summary), ``float8`` (True: the
-    linears train in float8 through torchao, on top of ``compile``, priced at an SM90 GPU's float8
+    its fused pointwise ops; False: eager; None: off on a CPU; for a GPU (weights not on a CPU) the
+    chosen layout compiled where it is priced faster than the same layout eager; said in the summary),
+    ``float8`` (True: the linears train in float8 through torchao, on top of ``compile``, priced at an SM90 GPU's float8
     rate; refused where the plan is not for an H100; default False), ``mixed_precision`` (None: fp32, or
     rather the weights' own dtype; ``"bf16"`` / ``"fp16"``: autocast, priced at the device's
     half-precision rate), ``device`` (what the plan is priced for and, for the Trainer, where the
@@ -155,7 +155,7 @@ class PlanningOptions:
         if not (self.compile is None or isinstance(self.compile, bool)):
             raise ConfigError(
                 f"compile must be True (every stage through torch.compile), False (eager) or None (the planner "
-                f"decides: on for a GPU, off on a CPU), got {self.compile!r}")
+                f"decides: off on a CPU, on for a GPU where it is priced faster), got {self.compile!r}")
         if not isinstance(self.float8, bool):
             raise ConfigError(f"float8 must be True (the linears in float8, torchao, on an H100) or False, got "
                               f"{self.float8!r}")
