@@ -108,7 +108,9 @@ def _check_agreed(value: torch.Tensor, meta: Any, name: str, stage: int, readers
                 "train_step under the same torch.autocast (or pass mixed_precision= to auto_parallel), and do "
                 "not change autocast inside the model's forward based on data" if value.dtype != meta.dtype else
                 "Its shape was worked out from the micro-batch's input shapes on fake tensors: the forward takes "
-                "a size from elsewhere (a Python value or global state that differs from rank to rank)")
+                "a size from elsewhere (a Python value or global state that differs from rank to rank), or a module "
+                "kept whole (leaf_modules=) whose output's size depends on the data (the ranks ran it on zeros): "
+                "move the cut so that the module's output does not cross it, or pad that output to a fixed size")
         )
 
 
