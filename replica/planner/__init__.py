@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from replica.errors import ConfigError, PartitionError
-from replica.layout import Layout, schedule_kind
+from replica.layout import _V_SHARDING, Layout
 from replica.partition.blocks import find_blocks
 from replica.partition.graph import fingerprint
 from replica.partition.partitioner import MemoryModel
@@ -78,8 +78,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                 "or sequence_parallel=None / False")
         best, _ = tune(lambda layout, m, within, again, like=None: pricing.partition_for(
                            layout, m, within_budget=within, recompute=again, simulated=within, like=like),
-                       lambda plan, layout, schedule: pricing.collectives(pricing.reshard(plan, layout), layout,
-                                                                          schedule),
+                       pricing.lay_out,
                        world_size=world, batch=pricing.global_batch, num_ops=len(traced.graph.op_nodes),
                        device=pricing.spec, memory_budget=pricing.budget_per_device(), num_stages=r.num_stages,
                        num_microbatches=r.num_microbatches, data_parallel_size=r.replicas_fixed(),
@@ -128,7 +127,7 @@ def _pricing(traced: Traced, model: torch.nn.Module, r: PlanRequest, scale: int,
                       memory_model=MemoryModel(optimizer=r.optimizer), precision=r.precision,
                       num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
                       graded=r.graded_microbatches, options=r.options, batch_scale=scale, compile=compile,
-                      float8=r.float8)
+                      float8=r.float8, grad_sync=r.grad_sync)
     if (r.expert_parallel_size or 1) > 1:  # each rank holds 1/ep of the experts: what the partition weighs
         pricing.graph = sharded_experts_graph(pricing.graph, r.expert_parallel_size)
     return pricing
@@ -181,13 +180,10 @@ def _sequence_choices(pricing: Pricing, r: PlanRequest, tensor_parallel_size: in
 
 
 def _check_shardable(r: PlanRequest) -> None:
-    """A request that must shard names a layout sharding can run: replicas, and a schedule
-    that does not split backward."""
-    if r.schedule != "auto" and schedule_kind(r.schedule).splits_backward:
-        raise ConfigError(
-            f"sharded data parallelism (sharded_data_parallel={r.sharded_data_parallel!r}) cannot run the zero-bubble "
-            f"schedule {r.schedule!r} yet: FSDP reduces a weight's gradient when autograd makes it, before a deferred "
-            "W action. Use gpipe, 1f1b or interleaved with sharding, or schedule='auto'")
+    """A request that must shard names a layout sharding can run: replicas, not zb-v's V."""
+    if r.schedule == "zb-v":
+        raise ConfigError(_V_SHARDING.format(asked=f"sharded_data_parallel={r.sharded_data_parallel!r}",
+                                             name=r.schedule) + ", or schedule='auto'")
     if r.replicas_fixed() == 1:
         where = ("this plans for one process (no world_size=, no process group): run auto_parallel or the Trainer "
                  "under torchrun (torchrun --nproc_per_node N), or give replica.plan world_size=N; in one process use"
@@ -222,11 +218,10 @@ def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool | str
     holding least memory, as the tuner takes), each in the shard groups the request allows, with
     and without sequence parallelism where the request leaves it open (without on a tie).
     Where none fits, the error of the leanest (zero3's, where it was tried)."""
-    kind = schedule_kind(layout.schedule)
     d = layout.data_parallel_size
     per_replica = layout.pipeline_ranks * layout.tensor_parallel_size
     allowed = [(s, None) if s == "none" else (s, None if g == d else g)
-               for s in r.shardings if s == "none" or (d > 1 and not kind.splits_backward)
+               for s in r.shardings if s == "none" or (d > 1 and layout.kind.placement != "v")
                for g in ((d,) if s == "none" else r.shard_groups(d, per_replica, pricing.spec.devices_per_node))]
     plans: list[Plan] = []
     errors: dict[str, PartitionError] = {}
