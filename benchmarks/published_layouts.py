@@ -5,7 +5,8 @@ LLM Foundry (mosaicml/llm-foundry, scripts/train/benchmarking/README.md, table "
 FSDP FULL_SHARD, amp_bf16 (FSDP mixed precision DEFAULT: bf16 gathers, fp32 reduction). Each
 row here is one of those runs, planned on meta tensors with its layout forced: world 8, one
 stage × 8 zero3-sharded replicas, the published micro-batch size × gradient accumulation
-(num_microbatches), activation checkpointing as published (recompute), cost="analytic".
+(num_microbatches), gradients reduce-scattered every micro-batch as Composer's FSDP does
+(``grad_sync="microbatch"``), activation checkpointing as published (recompute), cost="analytic".
 The models are MPT's shapes in examples/gpt's GPT (learned positions, biases, tied
 embedding: the published parameter counts exactly). MFU is computed with the README's formula,
 ``(6 N s + 12 L d s^2) × sequences/s / (GPUs × 312 TFLOP/s)``, from Replica's predicted step.
@@ -103,6 +104,7 @@ def price(run: Published, device: replica.DeviceSpec | str = "a100-80gb") -> tup
     tokens = torch.empty(run.global_batch, run.seq_len, dtype=torch.long, device="meta")
     plan = replica.plan(model, (tokens,), world_size=run.gpus, num_stages=1, num_microbatches=run.accumulation,
                         schedule="1f1b", device=device, mixed_precision="bf16", sharded_data_parallel="zero3",
+                        grad_sync="microbatch",  # Composer's FSDP reduce-scatters every micro-batch
                         recompute=run.checkpointing, cost="analytic", memory_budget=float("inf"))
     return plan, model.num_parameters()
 

@@ -90,6 +90,8 @@ def _planned(given: Plan, name: str) -> Any:
         "sequence_parallel": layout.sequence_parallel, "expert_parallel_size": layout.expert_parallel_size,
         "mixed_precision": given.precision, "compile": given.compile, "float8": given.float8,
         "recompute": "pointwise" if given.pointwise_recompute else given.recompute,
+        "grad_sync": (syncs.pop() if len(syncs := {s.grad_sync for s in given.stages}) == 1 else "mixed")
+        if layout.sharded else None,
     }.get(name)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from replica.errors import ConfigError
 
 __all__ = ["ScheduleKind", "SCHEDULE_KINDS", "schedule_kind", "schedule_names", "TUNED_SCHEDULES", "SHARDINGS",
-           "MESH_DIMS", "Layout", "Coordinates"]
+           "GRAD_SYNCS", "MESH_DIMS", "Layout", "Coordinates"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,12 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
 )}
 TUNED_SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_KINDS)
 SHARDINGS = ("none", "zero3", "zero2")  # Layout.sharding
+# zb-v's V puts the first and the last stage on one rank: a weight both read (a tied embedding and
+# head) would sit in two FSDP roots there; measured wrong gradients on gloo ranks (#39)
+_V_SHARDING = ("sharded data parallelism ({asked}) cannot run the schedule {name!r} yet: its V puts "
+               "the first and the last stage on one rank, where a weight both read (a tied embedding and head) "
+               "would sit in two FSDP roots. Use zb-h1, zb-interleaved, 1f1b, interleaved or gpipe with sharding")
+GRAD_SYNCS = ("step", "microbatch")  # when sharded replicas reduce-scatter a stage's gradients (StagePlan.grad_sync)
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")  # Layout.mesh_shape's names, outermost first
 
 
@@ -142,12 +148,8 @@ class Layout:
         if self.sharding != "none" and self.data_parallel_size == 1:
             raise ConfigError(f"sharding={self.sharding!r} shards over data-parallel replicas, but this layout has "
                               f"one ({self.pipeline_ranks} pipeline ranks); use sharding='none' or more replicas")
-        if self.sharding != "none" and kind.splits_backward:
-            raise ConfigError(
-                f"sharded data parallelism (sharding={self.sharding!r}) cannot run the zero-bubble schedule "
-                f"{kind.name!r} yet: FSDP reduces a weight's gradient when autograd makes it, before a deferred "
-                "W action. Use gpipe, 1f1b or interleaved with sharding"
-            )
+        if self.sharding != "none" and kind.placement == "v":
+            raise ConfigError(_V_SHARDING.format(asked=f"sharding={self.sharding!r}", name=kind.name))
         if self.shard_group_size is not None:
             _positive("shard_group_size", self.shard_group_size)
             d, g = self.data_parallel_size, self.shard_group_size

@@ -289,6 +289,7 @@ def write_safetensors(file: str | os.PathLike[str], tensors: Sequence[tuple[str,
             if t.numel():
                 data = t if read is None else read(name)
                 f.write(data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                del data  # before the next one is read: one tensor in memory, not two
         f.flush()
         os.fsync(f.fileno())
     with safe_open(str(file), framework="pt") as check:  # the header parses and covers every byte

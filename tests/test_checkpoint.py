@@ -56,6 +56,11 @@ def test_the_checkpoint_is_complete_checksummed_and_keyed_by_name(tmp_path: Path
     assert manifest["trainer"] | {"layout": None} == {
         "step": 2, "epoch": 0, "batch": 2, "call": 0, "call_start_epoch": 0, "batch_size": 32, "shuffle": True,
         "seed": 0, "num_samples": 100, "layout": None}
+    plan = trainer.pipeline.plan  # the manifest records the plan that wrote it
+    assert manifest["trainer"]["layout"] == {
+        "num_stages": plan.num_stages, "num_microbatches": plan.num_microbatches, "schedule": plan.schedule,
+        "data_parallel_size": 1, "tensor_parallel_size": 1, "sharding": plan.layout.sharding,
+        "shard_group_size": plan.layout.shard_group_size, "describe": plan.layout.describe(), "world_size": 1}
     assert ckpt.verify(path) is None
     # torch.distributed.checkpoint alone loads the weights into the plain model's state_dict, original names
     plain = small_cnn()
@@ -226,7 +231,8 @@ def test_replayed_calls_skip_what_the_checkpoint_shows_finished(tmp_path: Path) 
                                model_seed=0 if stop_at else 5)
         first = trainer.train_dataset(*DATA, epochs=1)
         try:
-            trainer.train_dataset(*DATA, epochs=2, on_step_end=lambda t: t.step == stop_at and (_ for _ in ()).throw(Stop))
+            trainer.train_dataset(*DATA, epochs=2,
+                                  on_step_end=lambda t: t.step == stop_at and (_ for _ in ()).throw(Stop))
         except Stop:
             pass
         trainer.first_call_history = first
@@ -315,3 +321,38 @@ def test_resume_from_a_copied_directory(tmp_path: Path, uninterrupted) -> None:
     run(tmp_path / "a", stop_at=5)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     assert_same_weights(weights(run(tmp_path / "b").model), uninterrupted)
+
+
+def test_the_one_process_readers_hold_one_tensor_at_a_time(tmp_path: Path, monkeypatch) -> None:
+    """load_into_plain_model fills the model's own tensors, export writes each tensor before reading the
+    next: neither holds more than a tensor or two (benchmarks/checkpoint_readers.py measures a GPT)."""
+    import weakref
+
+    from benchmarks.sharded_dp import allocation_peak
+    from replica.checkpoint.tensors import StoredWeights
+
+    def layers() -> torch.nn.Module:
+        return torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(6)])
+
+    torch.manual_seed(0)
+    model = layers()
+    ckpt.save(tmp_path, 1, {k: v.detach() for k, v in model.state_dict().items()}, rng_state(), {}, keep=1)
+    largest = 128 * 128 * 4
+    plain = layers()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        load_into_plain_model(tmp_path, plain)
+    assert allocation_peak(prof) <= 2 * largest, allocation_peak(prof)  # the model: 6.0x
+    assert_same_weights(weights(plain), weights(model), rtol=0, atol=0)
+
+    alive, read_so_far = [], []
+    real_read = StoredWeights.read
+
+    def read(self: StoredWeights, name: str) -> torch.Tensor:
+        alive.append(sum(r() is not None for r in read_so_far))
+        tensor = real_read(self, name)
+        read_so_far.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(StoredWeights, "read", read)
+    replica.export_safetensors(tmp_path, tmp_path / "hf")
+    assert alive == [0] * 12, alive

@@ -217,3 +217,17 @@ def test_missing_or_changed_keywords_raise_config_error():
     # The traced constant itself is accepted, as is leaving it out.
     loss = pm.train_step(args, target, attention_mask=kwargs["attention_mask"], use_cache=False)
     assert torch.isfinite(loss)
+
+
+def test_a_model_that_returns_its_key_value_cache_is_told_to_turn_it_off():
+    """use_cache is on by default in a transformers config (a model from save_pretrained keeps it):
+    the error names the cache and use_cache=False, not control flow."""
+    from replica.partition.trace import trace
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    assert config.use_cache
+    model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(replica.TraceError, match=r"returns a key/value cache \(DynamicCache.*use_cache = False"):
+        trace(model, (torch.randint(0, 64, (2, 8)),), tracer="export", dynamic_dims="batch")

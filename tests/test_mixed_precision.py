@@ -185,6 +185,14 @@ def test_the_trainer_trains_in_half_precision_and_resumes(tmp_path, precision: s
     assert resumed.step == trainer.step
     if precision == "fp16":
         assert resumed.scaler.get_scale() == trainer.scaler.get_scale()
+        # a scale the run changed (not the default a fresh scaler starts with) comes back from the checkpoint
+        trainer.scaler.update(new_scale=512.0)
+        trainer.save_checkpoint()
+        again = get_trainer(config, small_cnn(), torch.nn.functional.cross_entropy, _sgd)
+        again.train_dataset(x, y, epochs=1)
+        assert again.resumed_from.name == f"step-{trainer.step:08d}"
+        assert again.scaler.state_dict() == trainer.scaler.state_dict()
+        assert again.scaler.get_scale() == 512.0
     with pytest.raises(replica.ConfigError, match="precision"):
         default_config(mixed_precision="int8")
 

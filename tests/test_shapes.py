@@ -121,6 +121,62 @@ class Picky(nn.Module):
         return self.b(self.inner(self.a(x)))
 
 
+class ExpertsHit(nn.Module):
+    """Hugging Face's older Mixtral loop: only the experts that got a token run, ``for e in hit``
+    (a loop whose length depends on the data: no tracer follows it, so it is kept whole with
+    ``leaf_modules=``). (N, dim) -> (N, dim), whatever the routing."""
+
+    def __init__(self, dim: int = 16, num_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(num_experts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, chosen = torch.topk(self.gate(x).softmax(-1), self.top_k)  # (N, top_k) each
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():  # the experts hit: how many depends on the data
+            token, slot = torch.where(chosen == e)
+            out = out.index_add(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
+class HitMoE(nn.Module):
+    """Linear, :class:`ExpertsHit`, linears. (B, dim) -> (B, dim)."""
+
+    def __init__(self, dim: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.pre = nn.Linear(dim, dim)
+        self.moe = ExpertsHit(dim)
+        self.post = nn.Sequential(*[nn.Linear(dim, dim) for _ in range(depth)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.post(x + self.moe(self.pre(x)))
+
+
+class KeptIfAny(nn.Module):
+    """Kept whole: the rows whose first feature is positive, or the first row where none is (a
+    branch on the data). Its output's length follows the data. (B, dim) -> (n, dim)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        keep = x[:, 0] > 0
+        return x[keep] if bool(keep.any()) else x[:1]
+
+
+class LeafRowsAtCut(nn.Module):
+    """A linear, :class:`KeptIfAny`, linears: on two stages rows it kept cross the cut.
+    (B, dim) -> (1, dim)."""
+
+    def __init__(self, dim: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.pre = nn.Linear(dim, dim)
+        self.rows = KeptIfAny()
+        self.post = nn.Sequential(*[nn.Linear(dim, dim) for _ in range(depth)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.post(self.rows(self.pre(x))).sum(0, keepdim=True)
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -255,6 +311,20 @@ def test_an_op_whose_fake_kernel_refuses_runs_once_on_zeros(leaf: bool) -> None:
     assert kinds == ({"call_module"} if leaf else {"call_function"})
     x = torch.randn(3, 16)
     _assert_matches(oracle((x,)), _real(traced, plan, (x,)))
+
+
+def test_a_module_kept_whole_that_loops_on_the_data_runs_once_on_zeros() -> None:
+    """The tracer cannot follow ``for e in hit`` and says to keep the module whole; fake tensors
+    cannot either (a guard on a data-dependent size), so it runs on zeros: its output's shape is
+    the real one's, for any routing."""
+    model = HitMoE()
+    with pytest.raises(replica.TraceError, match=r"leaf_modules=\[ExpertsHit\]"):
+        trace(model, (torch.randn(8, 16),))
+    oracle, plan, traced = _oracle(model, (torch.randn(8, 16),), leaf_modules=(ExpertsHit,))
+    assert [n.op for n in traced.module.graph.nodes if n.target == "moe"] == ["call_module"]
+    for batch in (4, 3):
+        x = torch.randn(batch, 16)
+        _assert_matches(oracle((x,)), _real(traced, plan, (x,)))
 
 
 def test_an_op_the_oracle_cannot_run_is_named_with_its_stage_not_a_cut() -> None:

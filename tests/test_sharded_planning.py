@@ -20,6 +20,7 @@ from replica.partition.trace import trace
 from replica.planner import PlanRequest, make_plan
 from replica.planner.dataparallel import StageWeights, gathers_per_step, price_collectives
 from replica.planner.pricing import Pricing
+from replica.schedules.schedule import make_schedule
 from replica.viz.report import render_html
 
 WIDTH, DEPTH, WORLD = 64, 8, 4
@@ -91,14 +92,25 @@ def test_zero2_keeps_the_gathered_weights_from_forward_to_backward():
 def test_accumulating_micro_batches_keep_the_whole_stage_gathered_and_its_gradients_unsharded(sharding):
     memory = plan(sharding, microbatches=2).stages[0].memory
     assert memory.parameters == pytest.approx(WEIGHTS / WORLD + WEIGHTS, abs=1)
-    assert memory.gradients == pytest.approx(WEIGHTS / WORLD + WEIGHTS, abs=1)
+    assert memory.gradients == pytest.approx(WEIGHTS, abs=1)  # the slice is made as they are freed
+
+
+@pytest.mark.parametrize("sharding", ["zero3", "zero2"])
+def test_reduce_scattering_every_micro_batch_accumulates_sharded_gradients(sharding):
+    """grad_sync="microbatch" (#39): every backward reduce-scatters and frees the gathered weights, so
+    the step holds what one micro-batch holds: the slice and the units in flight, not the whole stage."""
+    memory = plan(sharding, microbatches=2, grad_sync="microbatch").stages[0].memory
+    assert memory.gradients == pytest.approx(WEIGHTS / WORLD + UNITS, abs=1)
+    assert memory.parameters == pytest.approx(WEIGHTS / WORLD + (WEIGHTS if sharding == "zero2" else UNITS), abs=1)
+    one = plan(sharding, microbatches=1).stages[0].memory
+    assert (memory.parameters, memory.gradients, memory.optimizer) == (one.parameters, one.gradients, one.optimizer)
 
 
 def test_bf16_gathers_half_the_bytes_and_autocast_copies_nothing():
     whole = plan(False, microbatches=2, mixed_precision="bf16").stages[0]
     zero3 = plan("zero3", microbatches=2, mixed_precision="bf16").stages[0]
     assert zero3.memory.parameters == pytest.approx(WEIGHTS / WORLD + WEIGHTS / 2, abs=1)  # gathered in bf16
-    assert zero3.memory.gradients == pytest.approx(WEIGHTS / WORLD + WEIGHTS, abs=1)  # reduced in fp32
+    assert zero3.memory.gradients == pytest.approx(WEIGHTS, abs=1)  # reduced in fp32
     model, inputs = model_and_inputs()
     graph = Pricing(trace(model, inputs), model, device=SPEC, cost="analytic", memory_budget=None,
                     memory_model=MemoryModel(), num_microbatches=2, num_stages_hint=1, precision="bf16").graph
@@ -107,8 +119,8 @@ def test_bf16_gathers_half_the_bytes_and_autocast_copies_nothing():
 
 
 def test_the_tuners_resharded_memory_is_the_partitioners():
-    """The tuner prices sharded layouts by resharding plans cut unsharded; the final plan is cut
-    sharded. Both must hold the same memory."""
+    """The tuner prices sharded layouts by resharding plans cut unsharded (``lay_out``); the final plan
+    is cut sharded. Both must hold the same memory, and reduce gradients alike."""
     model, inputs = model_and_inputs()
     pricing = Pricing(trace(model, inputs), model, device=SPEC, cost="analytic", memory_budget=None,
                       memory_model=MemoryModel(), num_microbatches=2, num_stages_hint=2, precision="bf16")
@@ -117,7 +129,9 @@ def test_the_tuners_resharded_memory_is_the_partitioners():
             layout = Layout(schedule="1f1b", num_stages=2, pipeline_ranks=2, data_parallel_size=2, sharding=sharding)
             cut = pricing.partition_for(dataclasses.replace(layout, sharding="none"), m, within_budget=False)
             direct = pricing.partition_for(layout, m, within_budget=False)
-            assert [s.memory for s in pricing.reshard(cut, layout).stages] == [s.memory for s in direct.stages]
+            laid, _ = pricing.lay_out(cut, layout, make_schedule("1f1b", 2, m, 2))
+            assert [s.memory for s in laid.stages] == [s.memory for s in direct.stages]
+            assert [s.grad_sync for s in laid.stages] == [s.grad_sync for s in direct.stages] == ["step"] * 2
 
 
 # --------------------------------------------------------------------------- collectives
@@ -131,6 +145,26 @@ def test_the_tuners_resharded_memory_is_the_partitioners():
 def test_gathers_per_step_follow_the_runtime(kinds, zero3, zero2):
     assert gathers_per_step(kinds, "zero3") == zero3
     assert gathers_per_step(kinds, "zero2") == zero2
+
+
+@pytest.mark.parametrize(("kinds", "zero3", "zero2"), [
+    ("FB", 2, 1),
+    ("FBFB", 4, 2),  # each backward reshards: the next forward gathers again, zero3's backward too
+    ("FFBB", 4, 2),  # GPipe: the second backward finds the weights the first one freed
+])
+def test_reduce_scattering_every_micro_batch_gathers_after_each_backward(kinds, zero3, zero2):
+    assert gathers_per_step(kinds, "zero3", "microbatch") == zero3
+    assert gathers_per_step(kinds, "zero2", "microbatch") == zero2
+
+
+def test_reduce_scattering_every_micro_batch_costs_m_reductions():
+    weights = StageWeights(nbytes=4e6, gathered_bytes=4e6, units=1)
+    layout = Layout(schedule="1f1b", num_stages=1, pipeline_ranks=1, data_parallel_size=4, sharding="zero2")
+    gather = reduce = ring_collective_time(SPEC, 4e6, 4, 4)
+    once = price_collectives(SPEC, layout, weights, "FBFB", 0.0, 0.0)
+    every = price_collectives(SPEC, layout, weights, "FBFB", 0.0, 0.0, grad_sync="microbatch")
+    assert once.total_s == pytest.approx(gather + reduce) and once.gathers == 1
+    assert every.total_s == pytest.approx(2 * gather + 2 * reduce) and every.gathers == 2
 
 
 def test_collectives_are_priced_as_ring_all_gathers_and_one_reduce_scatter():
@@ -246,6 +280,50 @@ def test_the_tuner_weighs_sharding_with_the_rest_of_the_layout():
     assert p.data_parallel_size == 1 or p.layout.sharded
 
 
+def _totals(**request) -> tuple[float, float]:
+    """The fullest stage's predicted bytes, reducing once a step and every micro-batch (2 of them)."""
+    return tuple(max(s.predicted_memory_bytes for s in plan("zero3", microbatches=2, grad_sync=sync, **request).stages)
+                 for sync in ("step", "microbatch"))
+
+
+def test_the_planner_reduces_every_micro_batch_only_where_the_step_would_not_fit():
+    step, every = _totals()
+    assert every < step - WEIGHTS / 2  # the whole stage's unsharded gradients and gathered weights, less the units
+    tight = plan("zero3", microbatches=2, memory_budget=(step + every) / 2)
+    assert [s.grad_sync for s in tight.stages] == ["microbatch"]
+    assert tight.stages[0].predicted_memory_bytes == every and tight.stages[0].gathers == 4
+    assert "over the" in tight.grad_sync_note
+    assert "reduce-scattered every micro-batch (2 times a step" in tight.summary()
+    roomy = plan("zero3", microbatches=2, memory_budget=step)
+    assert [s.grad_sync for s in roomy.stages] == ["step"] and "fits the" in roomy.grad_sync_note
+    assert roomy.predicted_step_time_s < tight.predicted_step_time_s  # one reduce-scatter, fewer gathers
+    assert "reduce-scattered once" in roomy.summary()
+
+
+def test_the_tuner_reduces_every_micro_batch_where_that_is_what_fits():
+    """2 stages x 4 replicas (a pipeline: the tuner keeps several micro-batches), a budget between the
+    two ways: the stages reduce every micro-batch; and with room, once a step."""
+    pipeline = dict(world_size=2 * WORLD, num_stages=2)
+    step, every = _totals(**pipeline)
+    tight = plan(True, microbatches=None, memory_budget=(step + every) / 2, **pipeline)
+    assert tight.layout.sharded and tight.num_microbatches > 1 and "microbatch" in {s.grad_sync for s in tight.stages}
+    assert max(s.predicted_memory_bytes for s in tight.stages) <= (step + every) / 2
+    roomy = plan(True, microbatches=None, memory_budget=step, **pipeline)
+    assert roomy.layout.sharded and {s.grad_sync for s in roomy.stages} == {"step"}
+
+
+def test_grad_sync_asked_is_kept_and_said():
+    p = plan("zero3", microbatches=2, grad_sync="microbatch", memory_budget=1e12)
+    assert [s.grad_sync for s in p.stages] == ["microbatch"] and "grad_sync='microbatch' asked" in p.summary()
+    loaded = Plan.from_json(p.to_json())
+    assert loaded == p and loaded.stages[0].grad_sync == "microbatch"
+    assert "2 reduce-scatters, every micro-batch" in render_html(p, device=SPEC)
+    with pytest.raises(ConfigError, match="grad_sync must be"):
+        PlanRequest(grad_sync="never")
+    with pytest.raises(ConfigError, match="sharded_data_parallel=False"):
+        PlanRequest(grad_sync="microbatch", sharded_data_parallel=False)
+
+
 def test_false_never_shards():
     for kwargs in ({}, {"microbatches": None}, {"microbatches": None, "device": dataclasses.replace(
             SPEC, link_bandwidth=1e15)}):
@@ -263,14 +341,38 @@ def test_a_named_sharding_is_kept():
     assert plan("zero2").layout.sharding == "zero2"
 
 
-def test_sharding_needs_replicas_and_a_whole_backward():
+def test_sharding_needs_replicas():
     model, inputs = model_and_inputs()
     with pytest.raises(ConfigError, match="plans for one process"):
         replica.plan(model, inputs, num_stages=2, sharded_data_parallel=True, device=SPEC, cost="analytic")
-    with pytest.raises(ConfigError, match="zero-bubble"):
-        plan(True, schedule="zb-h1", num_stages=2, microbatches=2, world_size=2 * WORLD)
     with pytest.raises(ConfigError, match="sharded_data_parallel must be"):
         PlanRequest(sharded_data_parallel="zero1")
+
+
+def test_sharding_refuses_zb_v():
+    """zb-v's V puts the first and last stages on one rank: a tied weight would sit in two FSDP roots."""
+    with pytest.raises(ConfigError, match="zb-v.*two FSDP roots"):
+        plan(True, schedule="zb-v", num_stages=4, microbatches=2, world_size=WORLD, data_parallel_size=2)
+    with pytest.raises(ConfigError, match="two FSDP roots"):
+        Layout(schedule="zb-v", num_stages=4, pipeline_ranks=2, data_parallel_size=2, sharding="zero3")
+    p = plan(None, schedule="zb-v", num_stages=4, microbatches=2, world_size=WORLD, data_parallel_size=2)
+    assert p.layout.sharding == "none"
+
+
+def test_a_zero_bubble_stage_holds_its_linears_gathered_from_b_to_w():
+    """zb-h1 with sharded replicas (#39): the deferred linears read their weights outside the blocks'
+    units, so the whole stage is gathered with its unsharded gradients either way; each W reduces
+    ("microbatch"), or the step's last one ("step")."""
+    zb = dict(schedule="zb-h1", num_stages=2, microbatches=2, world_size=2 * WORLD)
+    step, every = (plan("zero3", grad_sync=sync, **zb) for sync in ("step", "microbatch"))
+    for p in (step, every):
+        assert p.layout.schedule == "zb-h1" and p.layout.sharding == "zero3"
+    for s, e in zip(step.stages, every.stages):
+        weights = s.memory.optimizer / 2 * WORLD  # Adam's two moments of the 1/WORLD slice
+        assert s.memory.parameters == pytest.approx(weights / WORLD + weights, abs=1)
+        assert s.memory.gradients == pytest.approx(weights, abs=1)
+        assert e.memory.gradients == pytest.approx(weights / WORLD + weights, abs=1)
+        assert e.collective_s > s.collective_s
 
 
 # --------------------------------------------------------------------------- what the plan says

@@ -261,6 +261,14 @@ def test_leaf_module_name_that_names_no_module():
         trace(Gated(), (torch.randn(2, 4),), leaf_modules=["blocks.9"])
 
 
+def test_leaf_modules_none_keeps_nothing_whole_and_a_bare_class_is_named():
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert [n.name for n in trace(mlp, (torch.randn(2, 4),), leaf_modules=None).graph] == \
+        [n.name for n in trace(mlp, (torch.randn(2, 4),)).graph]
+    with pytest.raises(replica.ConfigError, match=r"leaf_modules must be a list.*leaf_modules=\[Gate\]"):
+        trace(Gated(), (torch.randn(2, 4),), leaf_modules=Gate)
+
+
 def test_leaf_module_output_shape_recorded():
     g = trace(Gated(), (torch.randn(3, 4),), leaf_modules=[Gate]).graph
     assert g["blocks_0_0"].outputs[0].shape == (3, 4)

@@ -27,3 +27,6 @@ def test_resuming_another_models_checkpoints_names_checkpoint_dir(tmp_path: Path
     message = str(info.value)
     assert "another model" in message and "config.checkpoint_dir" in message and "new directory" in message, message
     assert "aliases=" not in message and "all_names=" not in message, message
+    # the first mis-shaped names, with both shapes (the hidden layer: 32 wide in the checkpoint, 24 here)
+    first = message.split("mis-shaped")[1]
+    assert first.index("classifier.1.weight") < first.index("(32, 256)") < first.index("(24, 256)"), message

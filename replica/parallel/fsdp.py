@@ -10,12 +10,19 @@ block-level unit would); everything else — parameters read by ``get_attr`` (a 
 a rewritten norm), leaves outside any block, or shared between blocks — belongs to the
 stage's root unit, gathered when the stage starts.
 
-Micro-batches: every backward but a stage's last accumulates unsharded gradients
+Micro-batches (a stage's ``grad_sync``, :class:`replica.partition.plan.StagePlan`): under
+"step" every backward but a stage's last accumulates unsharded gradients
 (``set_requires_gradient_sync(False)``) and keeps the weights gathered
 (``set_reshard_after_backward(False)``), so a step reduce-scatters each gradient once, not
-once per micro-batch. ``reshard_after_forward``: True frees the gathered weights after each
-forward (ZeRO-3: gathered again for backward); False keeps them to the backward (ZeRO-2's
-memory for weights, one all-gather fewer per micro-batch).
+once per micro-batch; under "microbatch" every backward reduce-scatters its gradients and
+frees the gathered weights (FSDP2's default), so gradients accumulate sharded (LLM Foundry's
+trade: m reduce-scatters a step for 1/d of the unsharded gradients). Under a split backward
+(zero-bubble's W actions) a B whose weight gradients a later W computes reduces nothing; after
+that W (the step's last, or each under "microbatch") :func:`reduce_now` runs FSDP2's end of
+backward by hand: every unit's accumulated unsharded gradients reduce-scattered, weights freed.
+``reshard_after_forward``: True frees the gathered weights after each forward (ZeRO-3:
+gathered again for backward); False keeps them to the backward (ZeRO-2's memory for weights,
+one all-gather fewer per micro-batch).
 """
 
 from __future__ import annotations
@@ -31,8 +38,8 @@ from replica.errors import ConfigError
 from replica.partition.mutation import is_view, mutates_first_argument
 from replica.stage.checkpoint import checkpointed_modules
 
-__all__ = ["block_groups", "shard_stage", "set_last_backward", "reshard", "local_tensor", "full_tensor", "shard_like",
-           "drop_dtype_asserts"]
+__all__ = ["block_groups", "shard_stage", "set_last_backward", "reduce_now", "reshard", "local_tensor", "full_tensor",
+           "shard_like", "drop_dtype_asserts"]
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # the first "<container>.<index>" of a module path
 
@@ -206,9 +213,19 @@ def reshard(module: torch.nn.Module) -> None:
             free()
 
 
-def set_last_backward(module: torch.nn.Module, last: bool) -> None:
+def set_last_backward(module: torch.nn.Module, last: bool, every_microbatch: bool = False) -> None:
     """Before a stage's backward of one micro-batch: reduce-scatter the gradients and free the
-    gathered weights only after its last one in the step."""
-    module.set_requires_gradient_sync(last)  # type: ignore[operator]
-    module.set_reshard_after_backward(last)  # type: ignore[operator]
-    module.set_is_last_backward(last)  # type: ignore[operator]
+    gathered weights only after its last one in the step, or (``every_microbatch``) after each."""
+    now = last or every_microbatch
+    module.set_requires_gradient_sync(now)  # type: ignore[operator]
+    module.set_reshard_after_backward(now)  # type: ignore[operator]
+    module.set_is_last_backward(now)  # type: ignore[operator]
+
+
+def reduce_now(module: torch.nn.Module) -> None:
+    """After a W action wrote weight gradients into a stage's unsharded parameters outside any
+    autograd pass: reduce-scatter every unit's accumulated gradients and free the gathered weights
+    now, as FSDP2's root does at the end of a backward (its post-backward callback, run by hand)."""
+    set_last_backward(module, True)
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    state._root_post_backward_final_callback()

@@ -63,13 +63,16 @@ class StageFlags:
     gradients inside the backward). ``deferring``: the stages whose linears leave their weight
     gradients for later (every stage under a schedule with W actions; with early input
     gradients, the stages that send one to another process). ``whole_stage``: the stages
-    checkpointed whole, "full" or "selective" (those without blocks whose plan checkpoints them)."""
+    checkpointed whole, "full" or "selective" (those without blocks whose plan checkpoints them).
+    ``every_microbatch``: the sharded stages whose plan reduce-scatters their gradients after
+    every backward (``StagePlan.grad_sync == "microbatch"``), not once a step."""
 
     sharded: bool
     early_input_grads: bool
     deferring: frozenset[int]
     whole_stage: dict[int, str] = field(default_factory=dict)
     experts: ExpertGroups | None = None  # expert parallelism's groups, where the plan spreads experts
+    every_microbatch: frozenset[int] = frozenset()
 
 
 def sending_input_grads(stages: Sequence[StageModule], place: dict[int, int]) -> set[int]:
@@ -92,8 +95,9 @@ def stage_flags(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, d
         deferring = frozenset(sending_input_grads(stages, placement(schedule)))
     else:
         deferring = frozenset()
+    every = frozenset(s.stage_index for s in plan.stages if s.grad_sync == "microbatch") if sharded else frozenset()
     return StageFlags(sharded=sharded, early_input_grads=early, deferring=deferring,
-                      whole_stage=whole_stages(plan))
+                      whole_stage=whole_stages(plan), every_microbatch=every)
 
 
 def whole_stages(plan: Plan) -> dict[int, str]:
@@ -152,8 +156,11 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
             # a checkpointed block's linears compute their weight gradients in B: deferred to W,
             # they would keep the block's recomputed inputs alive until then
             defer_linear_weight_grads(stage.module, skip=in_blocks(checkpointed_blocks(plan, stage.stage_index)))
-        if plan.pointwise_recompute or plan.rebuilds:
-            rebuildable_norms(stage.module)  # norms that note their eps, so that their outputs can be rebuilt
+        # norms that note their eps, so that their outputs can be rebuilt; not where FSDP may free a
+        # norm's weight between the B that keeps its input and the W that would rebuild it
+        if (plan.pointwise_recompute or plan.rebuilds) and not (flags.sharded and stage.stage_index in flags.deferring
+                                                                 and splits_backward(schedule)):
+            rebuildable_norms(stage.module)
     # 3. activation checkpointing: each stage's blocks, as its plan says
     for stage in mine:
         blocks = checkpointed_blocks(plan, stage.stage_index)

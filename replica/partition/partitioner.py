@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from replica.errors import ConfigError, PartitionError
-from replica.layout import SHARDINGS, Layout, schedule_kind
+from replica.layout import GRAD_SYNCS, SHARDINGS, Layout, schedule_kind
 from replica.partition.blocks import block_of, find_blocks, repeated_containers
 from replica.partition.cost import CostModel
 from replica.partition.crossing import crossing_bytes, crossing_dtype
@@ -86,9 +86,19 @@ class MemoryModel:
       stage's root unit and two blocks, the running one and the one prefetched), weights and
       unsharded gradients (these until their reduce-scatter ends); under zero2 the whole
       stage's gathered weights (kept from forward to backward) and the units' gradients;
-    - with several micro-batches, under both, the whole stage's gathered weights and
-      unsharded gradients: every backward but the step's last keeps the weights gathered and
-      accumulates unsharded gradients, so that a step reduce-scatters each gradient once.
+    - with several micro-batches and ``grad_sync`` "step", under both, the whole stage's
+      gathered weights and unsharded gradients: every backward but the step's last keeps the
+      weights gathered and accumulates unsharded gradients, so that a step reduce-scatters each
+      gradient once (the gradients' slice is made as the unsharded ones are freed, unit by unit,
+      in the last backward: the gradients count the whole stage's, not the slice on top);
+    - with several micro-batches and ``grad_sync`` "microbatch", as with one: every backward
+      reduce-scatters its gradients and frees the gathered weights, so the gradients accumulate
+      in the ``1/shards`` slice and only the units in flight hold unsharded ones, for a moment;
+    - under a split backward (``split_backward``: zero-bubble's W actions), the stage's linears
+      read their weights by ``get_attr`` (:func:`replica.stage.weightgrad.defer_linear_weight_grads`),
+      so FSDP holds them in the stage's root unit, gathered with their unsharded gradients from a
+      B to its W, which overlap for the whole steady state: the whole stage, either way (reducing
+      every micro-batch then only adds the slice).
     """
 
     optimizer: str = "adam"
@@ -96,9 +106,13 @@ class MemoryModel:
     sharding: str = "none"
     shards: int = 1
     gather_dtype: str | None = None
+    grad_sync: str = "step"
+    split_backward: bool = False
 
     def __post_init__(self) -> None:
         check_mode(self.recompute)
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ConfigError(f"grad_sync must be one of {list(GRAD_SYNCS)}, got {self.grad_sync!r}")
         if self.optimizer not in _OPTIMIZER_STATES:
             raise ConfigError(f"unknown optimizer {self.optimizer!r} for memory; one of {sorted(_OPTIMIZER_STATES)}")
         if self.sharding not in SHARDINGS:
@@ -125,16 +139,20 @@ class MemoryModel:
         """(weights and buffers, gradients, optimizer state) a stage of ``weights`` bytes of
         weights (``gathered`` as FSDP gathers them) and ``buffers`` holds over a step; numbers
         or numpy arrays of them. ``units`` (gathered weights, gradients) is what the units in
-        flight hold at most, ``accumulating`` whether the step has several micro-batches."""
+        flight hold at most, ``accumulating`` whether the step has several micro-batches (which
+        only keeps unsharded gradients where ``grad_sync`` is "step")."""
         optimizer = self.optimizer_bytes(weights)
         if not self.sharded:
             return weights + buffers, weights, optimizer
         d = self.shards
-        if accumulating:
-            kept_weights, kept_grads = gathered, weights
-        else:
-            kept_weights = gathered if self.sharding == "zero2" else np.minimum(units[0], gathered)
-            kept_grads = np.minimum(units[1], weights)
+        if self.split_backward:  # every linear in the root unit, gathered with its gradients from B to W
+            units = (np.inf, np.inf)
+        if accumulating and self.grad_sync == "step":
+            # the whole stage's unsharded gradients through the step; their slice is made as each
+            # unit's are reduce-scattered in the last backward and freed: it never adds to them
+            return weights / d + gathered + buffers, weights, optimizer / d
+        kept_weights = gathered if self.sharding == "zero2" else np.minimum(units[0], gathered)
+        kept_grads = np.minimum(units[1], weights)
         return weights / d + kept_weights + buffers, weights / d + kept_grads, optimizer / d
 
 
@@ -268,17 +286,20 @@ def _cast_outputs(graph: Graph, members: Sequence[Node], act: Any) -> int:
     return change
 
 
-def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
+def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel, grad_sync: Sequence[str] | None = None) -> Plan:
     """``plan`` with every stage's memory as ``memory_model`` shards it: the state slices and
     what stays gathered, and, from a plan described unsharded, no autocast weight copies. The
-    cuts and times stay: sharding moves no op."""
+    cuts and times stay: sharding moves no op. ``grad_sync``: each stage's (default: the memory
+    model's for every stage)."""
     if not memory_model.sharded:
         return plan
     units = units_in_flight(graph, memory_model)
     m = plan.num_microbatches
+    syncs = list(grad_sync) if grad_sync is not None else [memory_model.grad_sync] * plan.num_stages
     stages = []
-    for st in plan.stages:
-        parameters, gradients, optimizer = _state_bytes(graph, st.parameter_names, memory_model, units, m > 1)
+    for st, sync in zip(plan.stages, syncs):
+        model = memory_model if sync == memory_model.grad_sync else dataclasses.replace(memory_model, grad_sync=sync)
+        parameters, gradients, optimizer = _state_bytes(graph, st.parameter_names, model, units, m > 1)
         received = sum(b.nbytes for b in st.inputs)
         kept, rebuilt = st.activation_bytes, st.recompute_bytes
         if not plan.layout.sharded:  # FSDP gathers the weights already cast: no autocast copies
@@ -289,7 +310,7 @@ def reshard(graph: Graph, plan: Plan, memory_model: MemoryModel) -> Plan:
                 rebuilt -= m * largest
         activations = int(held_activations(kept, rebuilt, received, st.in_flight, m))
         stages.append(dataclasses.replace(
-            st, activation_bytes=kept, recompute_bytes=rebuilt,
+            st, activation_bytes=kept, recompute_bytes=rebuilt, grad_sync=sync,
             memory=MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer=optimizer,
                                    activations=activations)))
     return dataclasses.replace(plan, stages=tuple(stages))
@@ -848,6 +869,7 @@ def _describe(
             recompute_bytes=rebuilt,
             in_flight=flights[k],
             weight_grad_bytes=weight_held,
+            grad_sync=memory_model.grad_sync if memory_model.sharded else "step",
         ))
     step = bottleneck * (m + num_stages - 1) / m
     tied = {p.name: p.aliases for p in graph.parameters.values() if p.aliases}

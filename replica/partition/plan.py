@@ -94,6 +94,10 @@ class StagePlan:
     # under a split backward (zero-bubble), what the stage's deferred linears hold from each B to its W
     # over the whole step (their inputs and output gradients: replica.partition.recompute.weight_grad_bytes)
     weight_grad_bytes: int = 0
+    # sharded replicas (FSDP2): when the stage reduce-scatters its gradients, "step" (once, after
+    # its last backward: unsharded gradients accumulate over the micro-batches) or "microbatch"
+    # (after every backward: they accumulate sharded, for m reduce-scatters a step)
+    grad_sync: str = "step"
 
     @property
     def recompute_note(self) -> str:
@@ -185,6 +189,9 @@ class Plan:
     expert_parallel_s: float = 0.0
     expert_parallel_bytes: int = 0
     expert_imbalance: float = 1.0
+    # sharded replicas: why some stages reduce-scatter their gradients every micro-batch
+    # (StagePlan.grad_sync, chosen per pipeline rank by replica.planner.pricing.Pricing.sync_grads)
+    grad_sync_note: str = ""
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.num_stages:
@@ -288,9 +295,18 @@ class Plan:
         gathers = sorted({s.gathers for s in self.stages})
         count = str(gathers[0]) if len(gathers) == 1 else f"{gathers[0]}-{gathers[-1]}"
         dtype = " in bf16" if self.precision == "bf16" else " in fp16" if self.precision == "fp16" else ""
+        every = [s.stage_index for s in self.stages if s.grad_sync == "microbatch"]
+        if not every or self.num_microbatches == 1:
+            reduced = "its gradients reduce-scattered once"
+        elif len(every) == self.num_stages:
+            reduced = (f"its gradients reduce-scattered every micro-batch ({self.num_microbatches} times a step, "
+                       "accumulated sharded)")
+        else:
+            reduced = (f"its gradients reduce-scattered once (accumulated unsharded), but stages {every}'s every "
+                       f"micro-batch ({self.num_microbatches} times a step, accumulated sharded)")
+        why = f" ({self.grad_sync_note})" if self.grad_sync_note else ""
         return (f"data parallel: {d} {self.layout.sharding}-sharded replicas (FSDP2): each stage's weights "
-                f"all-gathered{dtype} {count} time{'s' if count != '1' else ''} a step, its gradients "
-                f"reduce-scattered once: {times}")
+                f"all-gathered{dtype} {count} time{'s' if count != '1' else ''} a step, {reduced}: {times}{why}")
 
     @property
     def expert_parallel_stages(self) -> tuple[int, ...]:
@@ -410,7 +426,7 @@ class Plan:
                     tensor_parallel_bytes=s.get("tensor_parallel_bytes", 0),
                     recompute=s.get("recompute", False), blocks=tuple(s.get("blocks", ())),
                     recompute_bytes=s.get("recompute_bytes", 0), in_flight=s.get("in_flight", 1),
-                    weight_grad_bytes=s.get("weight_grad_bytes", 0),
+                    weight_grad_bytes=s.get("weight_grad_bytes", 0), grad_sync=s.get("grad_sync", "step"),
                 )
                 for s in data.pop("stages")
             )

@@ -163,9 +163,7 @@ def _export_trace(model: torch.nn.Module, inputs: tuple[Any, ...], spec: InputSp
         first = f"torch.fx: {fx_error}\n" if fx_error is not None else ""
         raise TraceError(
             f"neither tracer could capture {type(model).__name__}.\n{first}torch.export: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}\n  at {user_frame(exc)}\n"
-            "Fix: remove control flow that depends on tensor values (torch.where / masks instead of `if`), "
-            "or keep the offending sub-module whole with leaf_modules=[...] (fx keeps leaves opaque)."
+            f"{str(exc).splitlines()[0] if str(exc) else ''}\n  at {user_frame(exc)}\n" + _export_fix(model, exc)
         ) from exc
     make_writes_explicit(gm)
     if fixed and any(fixed):
@@ -173,6 +171,21 @@ def _export_trace(model: torch.nn.Module, inputs: tuple[Any, ...], spec: InputSp
     spec.flat = True
     spec.fixed_dims = fixed
     return gm, out_spec, tuple(tree_leaves(inputs)), spec
+
+
+def _export_fix(model: torch.nn.Module, exc: Exception) -> str:
+    """What to do about torch.export's failure ``exc``."""
+    unknown = re.search(r"Found <class '([\w.]+)'> in output, which is not a known type", str(exc))
+    if unknown and "cache" in unknown.group(1).lower():  # a Hugging Face model with use_cache on (the default)
+        return (f"Fix: {type(model).__name__} returns a key/value cache ({unknown.group(1).rsplit('.', 1)[-1]}: "
+                "use_cache is on in its config), which training does not need: set model.config.use_cache = False "
+                "before planning (or pass example_kwargs={'use_cache': False}).")
+    if unknown:
+        return (f"Fix: {type(model).__name__} returns a {unknown.group(1)}, which torch.export cannot take apart: "
+                "return tensors (a tuple, dict or dataclass of them), or register that type as a pytree node "
+                "(torch.utils._pytree.register_pytree_node).")
+    return ("Fix: remove control flow that depends on tensor values (torch.where / masks instead of `if`), "
+            "or keep the offending sub-module whole with leaf_modules=[...] (fx keeps leaves opaque).")
 
 
 def _op_name(node: fx.Node, module: torch.nn.Module | None) -> str:
@@ -253,6 +266,10 @@ def trace(
             f"ids; an image's sides stay fixed), 'batch' (only the batch: quickest to export) or 'all' (every "
             f"dim the code allows: slowest), got {dynamic_dims!r}"
         )
+    leaf_modules = () if leaf_modules is None else leaf_modules  # None: no module kept whole, as the other options
+    if isinstance(leaf_modules, (str, type, torch.nn.Module)) or not isinstance(leaf_modules, Iterable):
+        raise ConfigError(f"leaf_modules must be a list of module classes, qualified names or sub-modules, got "
+                          f"{leaf_modules!r}; e.g. leaf_modules=[{getattr(leaf_modules, '__name__', 'MyBlock')}]")
     with untouched(model):  # tracing runs the model's code (export: on fake tensors; the shapes: maybe real)
         return _trace(model, example_inputs, example_kwargs, tuple(leaf_modules), tracer, dynamic_dims)
 

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from replica.errors import ConfigError, PartitionError
-from replica.layout import Layout, schedule_kind
+from replica.layout import _V_SHARDING, Layout
 from replica.partition.blocks import find_blocks
 from replica.partition.graph import fingerprint
 from replica.partition.partitioner import MemoryModel
@@ -81,8 +81,7 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
                 "or sequence_parallel=None / False")
         best, _ = tune(lambda layout, m, within, again, like=None: pricing.partition_for(
                            layout, m, within_budget=within, recompute=again, simulated=within, like=like),
-                       lambda plan, layout, schedule: pricing.collectives(pricing.reshard(plan, layout), layout,
-                                                                          schedule),
+                       pricing.lay_out,
                        world_size=world, batch=pricing.global_batch, num_ops=len(traced.graph.op_nodes),
                        device=pricing.spec, memory_budget=pricing.budget_per_device(), num_stages=r.num_stages,
                        num_microbatches=r.num_microbatches, data_parallel_size=r.replicas_fixed(),
@@ -135,16 +134,22 @@ def _pricing(traced: Traced, model: torch.nn.Module, r: PlanRequest, scale: int,
                       memory_model=MemoryModel(optimizer=r.optimizer), precision=r.precision,
                       num_microbatches=r.num_microbatches, num_stages_hint=r.num_stages or r.world_size or 1,
                       graded=r.graded_microbatches, options=r.options, batch_scale=scale, compile=compile,
-                      float8=r.float8)
+                      float8=r.float8, grad_sync=r.grad_sync)
     return pricing
 
 
 def _compile_if_it_pays(traced: Traced, model: torch.nn.Module, r: PlanRequest, scale: int, compiled: Plan) -> Plan:
     """``compile=None`` where the rule turns compilation on (a GPU): ``compiled``, the chosen
     layout priced compiled, against the same layout priced eager (its own cut and rebuilds); the
-    compiled plan where it is faster by more than the planner's tie, else the eager one. Compiling
-    gains fused pointwise ops but loses the early input-gradient sends of a pipeline (a compiled
-    backward runs whole): a pipeline of few micro-batches can lose more than it gains."""
+    compiled plan where it is faster by more than the planner's tie (the compile seconds are then
+    repaid within a run), else the eager one. A model with no pointwise chains to fuse gains
+    nothing; a compiled backward runs whole, so a pipeline of few micro-batches can lose more early
+    input-gradient sends than the fusions gain."""
+    where = compiled.device or r.device
+    if compiled.tensor_parallel_size > 1 and all(compiled.blocks_of(s.stage_index) for s in compiled.stages):
+        # each stage holds tensor-parallel blocks, which run eagerly (replica.parallel.compile): priced alike
+        return dataclasses.replace(compiled, compile=False, compile_note=(
+            f"compile=None on {where}: off, every stage holds tensor-parallel blocks, which run eagerly"))
     pricing = _pricing(traced, model, r, scale, False)
     try:
         eager = pricing.partition_for(compiled.layout, compiled.num_microbatches,
@@ -153,14 +158,11 @@ def _compile_if_it_pays(traced: Traced, model: torch.nn.Module, r: PlanRequest, 
     except (PartitionError, ConfigError):  # the same layout eager does not fit: compiled it stays
         return compiled
     gain = eager.predicted_step_time_s / compiled.predicted_step_time_s
-    where = compiled.device or pricing.spec.name
     if gain > 1 + r.options.tie:
         return dataclasses.replace(compiled, compile_note=(
             f"compile=None on {where}: on, priced {gain:.3f}x the same layout's eager step"))
-    early = " (a compiled backward runs whole, so it sends no input gradient early)" \
-        if eager.sends_input_grads_early else ""
     return dataclasses.replace(eager, compile_note=(
-        f"compile=None on {where}: off, the same layout compiled is priced {gain:.3f}x as fast as eager{early}, "
+        f"compile=None on {where}: off, the same layout compiled is priced {gain:.3f}x as fast as eager, "
         f"on needs over {1 + r.options.tie:.2f}x; compile=True compiles anyway"))
 
 
@@ -183,13 +185,10 @@ def _sequence_choices(pricing: Pricing, r: PlanRequest, tensor_parallel_size: in
 
 
 def _check_shardable(r: PlanRequest) -> None:
-    """A request that must shard names a layout sharding can run: replicas, and a schedule
-    that does not split backward."""
-    if r.schedule != "auto" and schedule_kind(r.schedule).splits_backward:
-        raise ConfigError(
-            f"sharded data parallelism (sharded_data_parallel={r.sharded_data_parallel!r}) cannot run the zero-bubble "
-            f"schedule {r.schedule!r} yet: FSDP reduces a weight's gradient when autograd makes it, before a deferred "
-            "W action. Use gpipe, 1f1b or interleaved with sharding, or schedule='auto'")
+    """A request that must shard names a layout sharding can run: replicas, not zb-v's V."""
+    if r.schedule == "zb-v":
+        raise ConfigError(_V_SHARDING.format(asked=f"sharded_data_parallel={r.sharded_data_parallel!r}",
+                                             name=r.schedule) + ", or schedule='auto'")
     if r.replicas_fixed() == 1:
         where = ("this plans for one process (no world_size=, no process group): run auto_parallel or the Trainer "
                  "under torchrun (torchrun --nproc_per_node N), or give replica.plan world_size=N; in one process use"
@@ -224,11 +223,10 @@ def _shard_fixed(pricing: Pricing, layout: Layout, m: int, recompute: bool | str
     holding least memory, as the tuner takes), each in the shard groups the request allows, with
     and without sequence parallelism where the request leaves it open (without on a tie).
     Where none fits, the error of the leanest (zero3's, where it was tried)."""
-    kind = schedule_kind(layout.schedule)
     d = layout.data_parallel_size
     per_replica = layout.pipeline_ranks * layout.tensor_parallel_size
     allowed = [(s, None) if s == "none" else (s, None if g == d else g)
-               for s in r.shardings if s == "none" or (d > 1 and not kind.splits_backward)
+               for s in r.shardings if s == "none" or (d > 1 and layout.kind.placement != "v")
                for g in ((d,) if s == "none" else r.shard_groups(d, per_replica, pricing.spec.devices_per_node))]
     plans: list[Plan] = []
     errors: dict[str, PartitionError] = {}

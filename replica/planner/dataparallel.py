@@ -5,7 +5,9 @@ gradients once a step, in buckets of ``BUCKET_BYTES``, each started as soon as t
 last backward of the step has made it. Sharded stages (FSDP2, :mod:`replica.parallel.fsdp`)
 all-gather their weights whenever an action finds them resharded — zero3 reshards after every
 forward and after the step's last backward, zero2 only after the last backward; every other
-backward keeps them gathered — and reduce-scatter their gradients once, after the last backward.
+backward keeps them gathered — and reduce-scatter their gradients once, after the last backward;
+or, a stage whose ``grad_sync`` is "microbatch", after every backward, which then frees the
+gathered weights too (the next action gathers them again): ``m`` reduce-scatters a step.
 
 HSDP (``Layout.shard_group_size``): a stage shards over its group of ``g`` replicas (gathers
 and reduce-scatters within the group, ``g × P × t`` consecutive ranks) and all-reduces its
@@ -26,7 +28,8 @@ of a stage's shards run at the same time, each device on its own share of the ne
 
 Overlap, one rule for both: a collective runs under the action it belongs to — a gather under
 the forward or backward (of one micro-batch) that needs the weights, the reduction under the
-step's last backward — and of the collectives of an action ``a`` the step waits for
+step's last backward (under each backward, "microbatch") — and of the collectives of an action
+``a`` the step waits for
 ``head + max(0, comm(a) - head - compute(a))``. ``head`` is what no compute hides: for a
 sharded stage one FSDP unit's share of the action's collectives (its first unit's gather, its
 last unit's reduce-scatter; the units taken as equal), as FSDP gathers the next unit while one
@@ -83,31 +86,36 @@ class Collectives:
     gathers: int = 0
 
 
-def gathers_per_step(kinds: Sequence[str], sharding: str) -> int:
+def gathers_per_step(kinds: Sequence[str], sharding: str, grad_sync: str = "step") -> int:
     """How many times a sharded stage's weights are all-gathered in a step whose actions on
     the stage are ``kinds`` ("F", "B"), in order."""
-    return sum(gathers for gathers, _ in _actions(kinds, sharding))
+    return sum(gathers for gathers, _ in _actions(kinds, sharding, grad_sync))
 
 
-def _actions(kinds: Sequence[str], sharding: str) -> list[tuple[bool, bool]]:
+def _actions(kinds: Sequence[str], sharding: str, grad_sync: str = "step") -> list[tuple[bool, bool]]:
     """Per action: whether it gathers the stage's weights (it finds them resharded: zero3
-    reshards after each forward, both after the step's last backward) and whether it is the
-    step's last backward (which reduces the gradients)."""
-    last = max((i for i, k in enumerate(kinds) if k == BACKWARD), default=-1)
+    reshards after each forward, both after the step's last backward, or after every backward
+    under ``grad_sync`` "microbatch") and whether it reduces the gradients (the step's last
+    backward; every backward under "microbatch"; the W actions instead where there are some)."""
+    reducer = WEIGHT if WEIGHT in kinds else BACKWARD  # under a split backward the gradients are final after W
+    last = max((i for i, k in enumerate(kinds) if k == reducer), default=-1)
+    every = grad_sync == "microbatch"
     gathered, out = False, []
     for i, kind in enumerate(kinds):
-        out.append((not gathered, i == last))
-        gathered = not (kind == FORWARD and sharding == "zero3") and i != last
+        reduces = i == last or (every and kind == reducer)
+        out.append((not gathered, reduces))
+        gathered = not (kind == FORWARD and sharding == "zero3") and not reduces
     return out
 
 
 def price_collectives(spec: DeviceSpec, layout: Layout, weights: StageWeights, kinds: Sequence[str],
-                      forward_s: float, backward_s: float, hooked: bool = True) -> Collectives:
+                      forward_s: float, backward_s: float, hooked: bool = True, grad_sync: str = "step") -> Collectives:
     """A stage's collectives in ``layout`` over a step whose actions on it are ``kinds`` ("F",
     "B"), in order, each forward taking ``forward_s`` and each backward ``backward_s`` (see the
     module's docstring for the rules). ``hooked``: whether a replicated stage's last backward
     makes its gradients final as it goes, so that the buckets start under it (not where the
-    backward defers weight gradients: W actions, or input gradients sent first)."""
+    backward defers weight gradients: W actions, or input gradients sent first). ``grad_sync``:
+    a sharded stage's, "step" or "microbatch"."""
     d, span = layout.data_parallel_size, layout.world_size  # the group strides P x t ranks: the world
     if d == 1 or weights.nbytes == 0:
         return Collectives()
@@ -121,7 +129,7 @@ def price_collectives(spec: DeviceSpec, layout: Layout, weights: StageWeights, k
         reduce = ring_collective_time(spec, weights.nbytes, g, shard_span, calls=units) + \
             ring_collective_time(spec, weights.nbytes / g, r, span, passes=2, calls=units)
         per_action = [(gather * gathers + reduce * last, gathers)
-                      for gathers, last in _actions(kinds, layout.sharding)]
+                      for gathers, last in _actions(kinds, layout.sharding, grad_sync)]
         heads = [comm / units for comm, _ in per_action]
     else:
         reduce = ring_collective_time(spec, weights.nbytes, d, span, passes=2,
@@ -155,7 +163,8 @@ def with_collectives(plan: Plan, layout: Layout, schedule: Sequence[Sequence[Act
         k = st.stage_index
         early = plan.sends_input_grads_early and k > 0 and where[k - 1] != where[k]  # as the executor arms its reducer
         c = price_collectives(spec, layout, weights[k], kinds.get(k, ()), st.forward_time_s / m,
-                              st.backward_time_s / m, hooked=WEIGHT not in kinds.get(k, ()) and not early)
+                              st.backward_time_s / m, hooked=WEIGHT not in kinds.get(k, ()) and not early,
+                              grad_sync=st.grad_sync)
         stages.append(dataclasses.replace(st, collective_s=c.total_s, exposed_collective_s=c.exposed_s,
                                           gathers=c.gathers))
     plan = dataclasses.replace(plan, stages=tuple(stages))

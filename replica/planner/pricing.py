@@ -31,7 +31,7 @@ from replica.partition.sequence_parallel import sequence_region
 from replica.partition.tensor_parallel import ShardedBlock, find_blocks
 from replica.partition.trace import Traced
 from replica.planner.compiling import FLOAT8_SPEEDUP, check_float8, compile_choice
-from replica.planner.costs import stage_costs_from_plan
+from replica.planner.costs import rank_memory, stage_costs_from_plan
 from replica.planner.dataparallel import StageWeights, with_collectives
 from replica.planner.experts import (
     expert_choices,
@@ -44,11 +44,25 @@ from replica.planner.experts import (
 )
 from replica.planner.options import PlannerOptions
 from replica.planner.sequence_parallel import sequence_costs, sequence_graph
-from replica.planner.tensor_parallel import MEMORY_SHARE, blocks_for, sharded_costs, sharded_graph, together
+from replica.planner.tensor_parallel import (
+    MEMORY_SHARE,
+    blocks_for,
+    sharded_costs,
+    sharded_graph,
+    together,
+)
 from replica.precision import autocast_dtype
 from replica.runtime import microbatch
-from replica.schedules.schedule import Schedule, make_schedule, max_in_flight, placement, plan_schedule, splits_backward
+from replica.schedules.schedule import (
+    Schedule,
+    make_schedule,
+    max_in_flight,
+    placement,
+    plan_schedule,
+    splits_backward,
+)
 from replica.schedules.simulate import simulate
+from replica.units import format_bytes
 
 __all__ = ["Pricing", "default_microbatches"]
 
@@ -96,13 +110,15 @@ class Pricing:
     :meth:`cost_model`; the blocks are found once, when a layout first asks for them. ``compile``
     (True, False, or None: :func:`~replica.planner.compiling.compile_choice`'s rule) prices
     compiled stages: their fused pointwise ops free (:func:`~replica.partition.cost.fused_ops`);
-    ``float8`` prices the linears at an SM90 GPU's float8 rate (refused on any other device)."""
+    ``float8`` prices the linears at an SM90 GPU's float8 rate (refused on any other device).
+    ``grad_sync`` (sharded replicas: "step", "microbatch", or None: :meth:`sync_grads` chooses per
+    pipeline rank) says when a sharded stage reduce-scatters its gradients."""
 
     def __init__(self, traced: Traced, model: torch.nn.Module, *, device: Any, cost: str,
                  memory_budget: float | Sequence[float] | None, memory_model: MemoryModel,
                  num_microbatches: int | None, num_stages_hint: int, graded: bool = True,
                  options: PlannerOptions = PlannerOptions(), batch_scale: int = 1, precision: str = "fp32",
-                 compile: bool | None = False, float8: bool = False) -> None:
+                 compile: bool | None = False, float8: bool = False, grad_sync: str | None = None) -> None:
         if cost not in ("auto", "analytic", "profile"):
             raise ConfigError(f"cost must be 'auto', 'analytic' or 'profile', got {cost!r}")
         inputs = traced.example
@@ -129,6 +145,7 @@ class Pricing:
         self._positions: dict[tuple[int, bool], dict[str, int]] = {}
         self._shapes: dict[tuple[str, int, int, int], tuple[dict[int, int], list[int]]] = {}
         self.graded, self.options = graded, options
+        self.grad_sync = grad_sync
         self.batch = microbatch.batch_size(inputs, "example_inputs")
         self.batch_scale = batch_scale
         self.global_batch = self.batch * batch_scale
@@ -326,9 +343,13 @@ class Pricing:
 
     def memory_model_for(self, layout: Layout, recompute: bool | str | int) -> MemoryModel:
         """What a stage of ``layout`` keeps: sharded over its shard group where the layout shards
-        (every replica, or ``shard_group_size`` of them under HSDP)."""
+        (every replica, or ``shard_group_size`` of them under HSDP), its gradients reduce-scattered
+        as the request says, or, where it leaves that open, every micro-batch (the leaner: what the
+        solver cuts within the budget by; :meth:`sync_grads` then keeps "step" where it fits)."""
         return dataclasses.replace(self.memory_model, recompute=recompute, sharding=layout.sharding,
-                                   shards=layout.dp_shard)
+                                   shards=layout.dp_shard,
+                                   grad_sync="step" if self.grad_sync == "step" or not layout.sharded else "microbatch",
+                                   split_backward=layout.sharded and layout.kind.splits_backward)
 
     def reshard(self, plan: Plan, layout: Layout) -> Plan:
         """``plan``, cut unsharded, laid out as ``layout``: its stages' memory as that sharding
@@ -336,6 +357,47 @@ class Pricing:
         held = reshard(self.graph_for(layout.tensor_parallel_size, layout.sequence_parallel,
                                       layout.expert_parallel_size), plan, self.memory_model_for(layout, plan.recompute))
         return self._expert_memory(dataclasses.replace(held, layout=layout), layout)
+
+    def lay_out(self, plan: Plan, layout: Layout, schedule: Schedule) -> tuple[Plan, list[float]]:
+        """``plan`` (cut unsharded) in ``layout`` under ``schedule``: its memory as the sharding holds
+        it, each stage's gradient reduction chosen (:meth:`sync_grads`) and its collectives priced;
+        and the seconds each rank waits for them (the tuner's ``lay_out``)."""
+        return self.collectives(self.sync_grads(self.reshard(plan, layout), schedule), layout, schedule)
+
+    def sync_grads(self, plan: Plan, schedule: Schedule) -> Plan:
+        """``plan`` (laid out sharded) with each stage's ``grad_sync`` where the request leaves it to
+        the planner: "step" (one reduce-scatter a step) on every pipeline rank that fits the memory
+        budget so, by the walk of its actions (:func:`replica.planner.costs.rank_memory`);
+        "microbatch" (sharded accumulation, m reduce-scatters) on the stages of every rank that does
+        not. One micro-batch, or a request that names it: the plan as it is."""
+        layout = plan.layout
+        if not layout.sharded:
+            return plan
+        if self.grad_sync is not None:
+            return dataclasses.replace(plan, grad_sync_note=f"grad_sync={self.grad_sync!r} asked")
+        graph = self.graph_for(layout.tensor_parallel_size, layout.sequence_parallel, layout.expert_parallel_size)
+        model = self.memory_model_for(layout, plan.recompute)
+        step = self._expert_memory(reshard(graph, plan, model, ["step"] * plan.num_stages), layout)
+        if plan.num_microbatches == 1:
+            return dataclasses.replace(step, grad_sync_note="")
+        where = placement(schedule)
+        peaks = rank_memory(stage_costs_from_plan(step, schedule, device=self.first_spec()), schedule)
+        budget = self.budget_per_device()
+        over = {r: b for r, b in enumerate(peaks) if b > budget}
+        if not over:
+            room = f"the {format_bytes(budget, '.2f')} budget" if budget < float("inf") else "no memory budget"
+            return dataclasses.replace(step, grad_sync_note=(
+                f"accumulating unsharded gradients over the step fits {room} on every rank (at most "
+                f"{format_bytes(max(peaks), '.2f')}): one reduce-scatter a step"))
+        syncs = ["microbatch" if where[k] in over else "step" for k in range(plan.num_stages)]
+        mixed = self._expert_memory(reshard(graph, plan, model, syncs), layout)
+        after = rank_memory(stage_costs_from_plan(mixed, schedule, device=self.first_spec()), schedule)
+        note = "; ".join(
+            f"rank {r} (stages {[k for k in range(plan.num_stages) if where[k] == r]}) would hold "
+            f"{format_bytes(b, '.2f')} accumulating unsharded gradients over the step, over the "
+            f"{format_bytes(budget, '.2f')} budget: {format_bytes(after[r], '.2f')} reduce-scattering every micro-batch"
+            for r, b in sorted(over.items()))
+        return dataclasses.replace(mixed, grad_sync_note=note)
 
     def stage_weights(self, parameter_names: tuple[str, ...], tensor_parallel_size: int = 1,
                       expert_parallel_size: int = 1, data_parallel_size: int = 1) -> StageWeights:
@@ -461,7 +523,7 @@ class Pricing:
                                        device_peak_flops=self.spec.datasheet_flops)
         if splits_backward(schedule_data):  # order the zero-bubble actions by this plan's own times
             schedule_data = plan_schedule(result)
-        result, waits = self.collectives(result, layout, schedule_data)
+        result, waits = self.collectives(self.sync_grads(result, schedule_data), layout, schedule_data)
         timeline = simulate(schedule_data, stage_costs_from_plan(result, schedule_data, device=specs[0]),
                             allreduce_s=waits)
         return dataclasses.replace(

@@ -114,10 +114,13 @@ def pay_for_grading(pricing: Pricing, plan: Plan, even: Plan, batch_fraction: fl
 def _rebuild_candidates(pricing: Pricing, plan: Plan,
                         batch_fraction: float) -> dict[tuple[int, str], tuple[float, int]]:
     """(stage, kind) -> (seconds per step, bytes per micro-batch) of rebuilding that kind's
-    kept outputs on that stage; nothing under full or pointwise recompute, or on one stage."""
+    kept outputs on that stage; nothing under full or pointwise recompute, or on one stage; no
+    norm where sharded replicas run a split backward (a W would rebuild it from weights FSDP may
+    have freed since its B: :func:`replica.parallel.parallelize.parallelize` leaves them as they are)."""
     found: dict[tuple[int, str], tuple[float, int]] = {}
     if plan.recompute or plan.pointwise_recompute or plan.num_stages == 1:
         return found
+    no_norms = plan.layout.sharded and plan.layout.kind.splits_backward
     t = plan.layout.tensor_parallel_size
     by_name = {n.name: n for n in pricing.graph_for(t).nodes}
     specs = pricing.specs(plan.num_stages)
@@ -126,7 +129,8 @@ def _rebuild_candidates(pricing: Pricing, plan: Plan,
         for name in st.node_names:
             n = by_name[name]
             kind = REBUILT_OPS.get(n.target)
-            if kind is not None and saves_activation(n) and (st.stage_index, kind) not in plan.rebuilds:
+            if kind is not None and saves_activation(n) and (st.stage_index, kind) not in plan.rebuilds \
+                    and not (no_norms and kind == "norm"):
                 seconds, nbytes = found.get((st.stage_index, kind), (0.0, 0))
                 found[(st.stage_index, kind)] = (seconds + cm.forward_time(n, plan.num_microbatches),
                                                  nbytes + int(cm.scaled(n.output_bytes)))

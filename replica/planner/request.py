@@ -50,6 +50,10 @@ class PlanningOptions:
     ``"zero2"`` as priced, or the one named; False: whole copies; None: the planner decides),
     ``shard_group_size`` (HSDP: the replicas of each FSDP shard group, the groups replicating each
     other; None: the planner weighs one group of every replica against groups that fit a node),
+    ``grad_sync`` (sharded replicas: ``"step"`` reduce-scatters each stage's gradients once a step,
+    accumulating them unsharded over its micro-batches; ``"microbatch"`` after every backward, so
+    they accumulate sharded, 1/d of the bytes, for m reduce-scatters a step; None: the planner
+    keeps "step" on every pipeline rank that fits it and reduces every micro-batch on the others),
     ``sequence_parallel`` (Megatron's sequence parallelism, with ``tensor_parallel_size`` > 1: the
     norms, dropouts and residuals between tensor-parallel blocks hold a shard of the tokens, a
     block's entry all-gathers them and its exit reduce-scatters; True, False, or None: the
@@ -92,6 +96,7 @@ class PlanningOptions:
     tensor_parallel_size: int | None = None
     sharded_data_parallel: bool | str | None = None
     shard_group_size: int | None = None
+    grad_sync: str | None = None
     sequence_parallel: bool | None = None
     expert_parallel_size: int | None = None
     recompute: bool | str | int | None = None
@@ -136,6 +141,16 @@ class PlanningOptions:
                 f"shard_group_size={g} does not divide data_parallel_size={d}: each shard group holds {g} replicas "
                 f"and the groups replicate each other. Use shard_group_size in "
                 f"{[k for k in range(1, d + 1) if d % k == 0]}")
+        if self.grad_sync not in (None, "step", "microbatch"):
+            raise ConfigError(
+                f"grad_sync must be 'step' (sharded replicas reduce-scatter each gradient once a step), 'microbatch' "
+                f"(after every micro-batch's backward: gradients accumulate sharded) or None (the planner decides), "
+                f"got {self.grad_sync!r}")
+        if self.grad_sync is not None and self.sharded_data_parallel in (False, "none"):
+            raise ConfigError(
+                f"grad_sync={self.grad_sync!r} says when sharded replicas reduce-scatter their gradients, but "
+                f"sharded_data_parallel={self.sharded_data_parallel!r}; use sharded_data_parallel=True (or None), or "
+                "drop grad_sync")
         if self.sequence_parallel not in (None, True, False):
             raise ConfigError(f"sequence_parallel must be True, False or None (the planner decides), got "
                               f"{self.sequence_parallel!r}")

@@ -212,8 +212,8 @@ def tune(
     ``lay_out(plan, layout, schedule)`` gives that plan's memory and collectives in ``layout``
     (see :func:`_evaluate`). Both settings of activation
     ``recompute`` given are tried, and each of ``shardings`` (:data:`replica.layout.SHARDINGS`)
-    where the layout allows it: more than one replica and a schedule that does not split backward,
-    each sharded one in the shard groups ``shard_groups(replicas, ranks per replica)`` gives (HSDP
+    where the layout allows it (more than one replica, not zb-v's V), each sharded one in the shard groups
+    ``shard_groups(replicas, ranks per replica)`` gives (HSDP
     where a group is smaller than the replicas); and each of ``tensor_parallel_sizes`` that
     divides the world, with each of ``sequence_parallel(tensor_parallel_size)``, and each of
     ``expert_parallel(replicas)``: the expert-parallel sizes a layout of that many replicas may
@@ -261,7 +261,7 @@ def tune(
             for sharding, group, sp, ep in ((s, g, sp, ep) for s in shardings
                                             for g in ((None,) if s == "none" else shard_groups(replicas, ranks * tp))
                                             for sp in sequence_parallel(tp) for ep in spreads):
-                if sharding != "none" and (replicas == 1 or kind.splits_backward):
+                if sharding != "none" and (replicas == 1 or kind.placement == "v"):
                     continue
                 layout = Layout(schedule=name, num_stages=stages, pipeline_ranks=ranks, data_parallel_size=replicas,
                                 tensor_parallel_size=tp, sharding=sharding,
@@ -361,7 +361,7 @@ def tune(
             f"ranks needs at least P of the model's {num_ops} ops, and R replicas need a global batch divisible "
             f"by R (it is a batch of {batch})" + (f", with num_stages={num_stages}" if num_stages else "")
             + (f", with data_parallel_size={data_parallel_size}" if data_parallel_size else "")
-            + (", sharded (which needs more than one replica and a schedule that does not split backward)"
+            + (", sharded (which needs more than one replica, and a schedule other than zb-v)"
                if "none" not in shardings else "")
             + f". Use a world_size that factors as (<= {num_ops} stages) x (a divisor of {batch})."
         )

@@ -28,7 +28,7 @@ from replica.precision import ambient_autocast, autocast_for
 from replica.runtime import p2p
 from replica.runtime.clock import timing
 from replica.runtime.executor import Executor, LossFn, Step, StepResult
-from replica.runtime.mailbox import Mailbox, greet_peers
+from replica.runtime.mailbox import Mailbox, greet_peers, post
 from replica.runtime.shapes import DATA_DEPENDENT, ShapeOracle, TensorMeta
 from replica.schedules.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from replica.schedules.simulate import Event, Timeline
@@ -68,7 +68,8 @@ class DistributedRuntime:
         self.sharded = flags.sharded
         self.executor = Executor(stages, schedule, {me}, recompute=recompute, pointwise=plan.pointwise_recompute,
                                  rebuilds=plan.rebuilds, early_input_grads=flags.early_input_grads,
-                                 replica=mesh.data_parallel_rank, precision=precision, sharded=flags.sharded)
+                                 replica=mesh.data_parallel_rank, precision=precision, sharded=flags.sharded,
+                                 every_microbatch=flags.every_microbatch)
         self.place = self.executor.place
         self.actions = self.executor.actions
         self.stages = self.executor.stages
@@ -193,10 +194,10 @@ class DistributedRuntime:
             other = self.topology.global_rank(peer)
             mine = torch.tensor([code], dtype=torch.int64, device=self.device)
             theirs = torch.empty_like(mine)
-            ops = [lambda: dist.isend(mine, other, tag=_AUTOCAST_TAG), lambda: dist.irecv(theirs, other,
-                                                                                           tag=_AUTOCAST_TAG)]
-            for post in ops if me < peer else ops[::-1]:
-                self._wait(post(), f"rank {other}'s autocast (this rank computes under {names[code]}; a rank that "
+            ops = [lambda: post(dist.isend, mine, other, tag=_AUTOCAST_TAG),
+                   lambda: post(dist.irecv, theirs, other, tag=_AUTOCAST_TAG)]
+            for op in ops if me < peer else ops[::-1]:
+                self._wait(op(), f"rank {other}'s autocast (this rank computes under {names[code]}; a rank that "
                                    "changes its torch.autocast alone waits here)", other)
             if int(theirs.item()) != code:
                 raise PipelineError(

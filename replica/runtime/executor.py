@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint
 
 from replica.errors import PipelineError
-from replica.parallel.fsdp import set_last_backward
+from replica.parallel.fsdp import reduce_now, set_last_backward
 from replica.partition.modes import microbatch_seed, seeded
 from replica.partition.split import StageModule
 from replica.precision import autocast_for
@@ -108,7 +108,9 @@ def _check_agreed(value: torch.Tensor, meta: Any, name: str, stage: int, readers
                 "train_step under the same torch.autocast (or pass mixed_precision= to auto_parallel), and do "
                 "not change autocast inside the model's forward based on data" if value.dtype != meta.dtype else
                 "Its shape was worked out from the micro-batch's input shapes on fake tensors: the forward takes "
-                "a size from elsewhere (a Python value or global state that differs from rank to rank)")
+                "a size from elsewhere (a Python value or global state that differs from rank to rank), or a module "
+                "kept whole (leaf_modules=) whose output's size depends on the data (the ranks ran it on zeros): "
+                "move the cut so that the module's output does not cross it, or pad that output to a fixed size")
         )
 
 
@@ -163,16 +165,19 @@ class Executor:
     its weight gradients; ``replica`` seeds this data-parallel replica's random ops;
     ``precision`` ("bf16" / "fp16") runs every forward and the loss under autocast;
     ``sharded``: the stage modules are FSDP2 roots, told before each backward whether it is
-    their last of the step (only then are gradients reduce-scattered).
+    their last of the step (only then are gradients reduce-scattered), but the stages in
+    ``every_microbatch``, which reduce-scatter after each backward; where a W action computes a
+    micro-batch's weight gradients after its B, the reduce-scatter follows that W instead.
     """
 
     def __init__(self, stages: Sequence[StageModule], schedule: Schedule, ranks: Collection[int], *,
                  recompute: bool | Mapping[int, str] = False, pointwise: bool = False,
                  rebuilds: Iterable[tuple[int, str]] = (),
                  early_input_grads: bool = False, replica: int = 0, precision: str = "fp32",
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, every_microbatch: Collection[int] = ()) -> None:
         self.precision = precision
         self.sharded = sharded  # stage modules under FSDP2: see parallel/fsdp.py
+        self.every_microbatch = frozenset(every_microbatch)
         self.place = placement(schedule)
         self.stages = {s.stage_index: s for s in stages if self.place[s.stage_index] in ranks}
         self.actions: list[Action] = (list(schedule[next(iter(ranks))]) if len(ranks) == 1
@@ -232,8 +237,9 @@ class Executor:
                 del out  # the graph stays only where its backward will let go of it
                 clock.end(action)
             elif action.kind == BACKWARD:
-                if self.sharded:
-                    set_last_backward(stage.module, n == self.last_backward[k])
+                if self.sharded:  # a B whose W comes later reduces nothing: its gradients are not final
+                    final = n == self.last_backward[k] or (k, i) in self.fused and n + 1 == self.last_backward[k]
+                    set_last_backward(stage.module, final and not split, k in self.every_microbatch and not split)
                 # W inside B: weight gradients straight into .grad, unless the reducer's hooks
                 # must see autograd accumulate them (the last backward, data-parallel)
                 sink = WeightGrads() if split or early else (None if last else WeightGrads(now=True))
@@ -248,6 +254,8 @@ class Executor:
                     deferred[(k, i)] = sink
             elif (k, i) not in self.fused:  # W: the weight gradients B left for later
                 deferred.pop((k, i)).apply()
+                if self.sharded and (n == self.last_backward[k] or k in self.every_microbatch):
+                    reduce_now(stage.module)  # no autograd pass follows W to run FSDP's hooks
                 clock.end(action)
             if last:
                 reducer.flush(k)

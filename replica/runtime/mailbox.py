@@ -13,6 +13,8 @@ wait behind it, as the FIFO order wants. Before it blocks on a receive, a rank w
 shapes its made sends wait behind and posts those sends: their peer may need them to go on,
 and each such shape is on its way (its producer comes before the send's in the order, and the
 send's has run). Its gradient comes back in the shape the sender sent: no shape travels back.
+A message whose posting fails (gloo refuses an op with a peer already gone) fails where it is
+waited for, so the error names the peer as any wait's does.
 """
 
 from __future__ import annotations
@@ -28,11 +30,32 @@ from replica.errors import PipelineError
 from replica.runtime.p2p import BWD, FWD, Message
 from replica.runtime.shapes import TensorMeta
 
-__all__ = ["Mailbox", "greet_peers", "digest"]
+__all__ = ["Mailbox", "greet_peers", "digest", "post"]
 
 Key = tuple[str, int, int, int]  # (value, reading stage, micro-batch, direction)
 SHAPE = 2  # a key's direction for the shape sent ahead of a dynamic tensor
 Wait = Callable[[Any, str, int], None]  # (work, what, global peer rank): raises on a dead peer
+
+
+class _FailedPost:
+    """An ``isend``/``irecv`` that raised when posted: done, and raising that when waited for."""
+
+    def __init__(self, failure: Exception) -> None:
+        self.failure = failure
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: Any = None) -> bool:
+        raise self.failure
+
+
+def post(op: Callable[..., Any], tensor: torch.Tensor, peer: int, **tag: int) -> Any:
+    """``op(tensor, peer)`` posted; a peer gone already (gloo raises at once) fails when waited for."""
+    try:
+        return op(tensor, peer, **tag)
+    except RuntimeError as exc:
+        return _FailedPost(exc)
 
 
 class Mailbox:
@@ -153,7 +176,7 @@ class Mailbox:
         peer = self.global_rank(self.peer[msg.key])
         if msg.key not in self.shapes:
             size = torch.empty(len(meta.shape), dtype=torch.int64, device=self.device)
-            self.shapes[msg.key] = (dist.irecv(size, peer), size)
+            self.shapes[msg.key] = (post(dist.irecv, size, peer), size)
         work = self.shapes[msg.key][0]
         if not (wait or work.is_completed()):
             return False
@@ -169,15 +192,15 @@ class Mailbox:
         elif meta.dynamic:  # a dynamic activation's gradient: in the shape this rank sent it
             shape = self.sent[(msg.name, msg.microbatch)]
         buf = meta.empty(self.device, shape)
-        self.recvs[msg.key] = (dist.irecv(buf, self.global_rank(self.peer[msg.key])), buf)
+        self.recvs[msg.key] = (post(dist.irecv, buf, self.global_rank(self.peer[msg.key])), buf)
 
     def _isend(self, key: Key, payload: torch.Tensor) -> None:
         peer = self.global_rank(self.peer[key])
         what = f"sending {key[0]!r} of micro-batch {key[2]}"
         if key[3] == FWD and self.metas[key[2]][key[0]].dynamic:  # its shape first, in the pair's order
             size = torch.tensor(payload.shape, dtype=torch.int64, device=self.device)
-            self.sends[(*key[:3], SHAPE)] = (dist.isend(size, peer), size, f"{what} (its shape)", peer)
-        self.sends[key] = (dist.isend(payload, peer), payload, what, peer)
+            self.sends[(*key[:3], SHAPE)] = (post(dist.isend, size, peer), size, f"{what} (its shape)", peer)
+        self.sends[key] = (post(dist.isend, payload, peer), payload, what, peer)
 
 
 def greet_peers(messages: Sequence[Message], *, me: int, rank: int, global_rank: Callable[[int], int],
@@ -197,9 +220,9 @@ def greet_peers(messages: Sequence[Message], *, me: int, rank: int, global_rank:
         other = global_rank(peer)
         mine = torch.tensor([digest(pairs[peer])], dtype=torch.int64, device=device)
         theirs = torch.empty(1, dtype=torch.int64, device=device)
-        ops = [lambda: dist.isend(mine, other), lambda: dist.irecv(theirs, other)]
-        for post in ops if me < peer else ops[::-1]:
-            wait(post(), "the set-up handshake", other)
+        ops = [lambda: post(dist.isend, mine, other), lambda: post(dist.irecv, theirs, other)]
+        for op in ops if me < peer else ops[::-1]:
+            wait(op(), "the set-up handshake", other)
         if int(theirs.item()) != int(mine.item()):
             raise PipelineError(
                 f"ranks {rank} and {other} derived different orders for the messages between them: they run "

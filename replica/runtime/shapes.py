@@ -16,7 +16,11 @@ Ops inside a stage need not have data-independent shapes or a meta kernel:
   (runtime/mailbox.py), as ``torch.distributed.pipelining`` does for dynamic shapes;
 - an op whose meta kernel fails on its inputs (``grouped_mm`` in fp32: its meta kernel takes
   only bf16) runs for real, once, on zeros of its inputs' shapes, as ``FakeTensorMode`` does for
-  ops with no meta kernel at all: its output's shape and dtype are the real kernel's.
+  ops with no meta kernel at all: its output's shape and dtype are the real kernel's; so does a
+  module kept whole (``leaf_modules=``) whose forward branches or loops on the data, which
+  fake tensors cannot follow (a loop over the experts that got tokens). Where such an output's
+  size would follow the data after all, the sender finds it differs from the agreed shape and
+  raises before sending (runtime/executor.py).
 
 What cannot be followed is a ``PipelineError`` naming the op and its stage: a data-dependent
 Python value (``.item()``) crossing a cut (which no rank can know before the step), or an op
@@ -193,7 +197,11 @@ class _Runner(fx.Interpreter):
         try:
             result = super().run_node(n)
         except _DATA_DEPENDENT as exc:
-            raise _OpFailed(n, _reason(exc), data_dependent=True) from exc
+            if n.op != "call_module":
+                raise _OpFailed(n, _reason(exc), data_dependent=True) from exc
+            # a module kept whole (leaf_modules=) whose inside branches or loops on the data (HF's
+            # `for e in experts_hit`): it runs on zeros, its outputs' sizes checked on each step when sent
+            result = self._on_zeros(n, exc)
         except Exception as exc:
             if n.op not in ("call_function", "call_method", "call_module"):
                 raise _OpFailed(n, _reason(exc), data_dependent=False) from exc

@@ -6,6 +6,12 @@ ORIGINAL parameter name — weights as the plain model's state_dict, optimizer s
 ``optimizer.state.<name>.<key>`` — and handed to torch.distributed.checkpoint as held: each
 rank writes its own shards, nothing is gathered, and a load reshards to whatever the
 loading ranks hold, so a checkpoint resumes in any layout.
+
+These state dicts are built here, not by torch's ``get_state_dict`` / ``set_state_dict``: a rank's
+share can be several stage modules under one optimizer, a tied weight is written by one stage
+only, and a fused q/k/v weight's share goes to DCP box by box (:mod:`replica.checkpoint.pieces`).
+As with ``get_state_dict(..., full_state_dict=False)``, DCP receives tensors and DTensors as held,
+nothing gathered; the keys are the plain model's names.
 """
 
 from __future__ import annotations

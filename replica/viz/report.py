@@ -153,8 +153,10 @@ def _stage(fig: Figures, stage: StagePlan, boxes: list[list[ModuleBox]], graph: 
         f"transfers {format_seconds(stage.communication_time_s)}", f"memory {memory}",
     ]
     if plan.data_parallel_size > 1:
+        reduces = plan.num_microbatches if stage.grad_sync == "microbatch" else 1
         facts.append(f"data-parallel collectives {format_seconds(stage.collective_s)}"
-                     + (f" ({stage.gathers} all-gathers, 1 reduce-scatter)" if plan.layout.sharded else "")
+                     + (f" ({stage.gathers} all-gathers, {reduces} reduce-scatter{'s' if reduces > 1 else ''}"
+                        f"{', every micro-batch' if reduces > 1 else ''})" if plan.layout.sharded else "")
                      + f", {format_seconds(stage.exposed_collective_s)} not hidden")
     if plan.tensor_parallel_size > 1:
         facts.append(f"tensor-parallel collectives {format_bytes(stage.tensor_parallel_bytes)} in "

@@ -2,7 +2,8 @@
 a torchtitan-style MoE (a ``nonzero`` loop, fp32 ``grouped_mm``) traced on one batch trains on
 others, routed differently, with the plain model's gradients at every layout; a tensor whose length
 depends on the data crosses a cut with its shape; a data-dependent Python value at a cut is the
-same clear error on every rank, at once.
+same clear error on every rank, at once. A module kept whole (``leaf_modules=``) whose forward
+loops on the data trains exactly; one whose output's length follows the data fails clearly at the cut.
 
 One spawned job per world size runs every case (see tests/distributed/test_distributed.py).
 """
@@ -23,7 +24,7 @@ from replica.launch import run_local
 from tests import moe
 from tests.conftest import COMPUTE_BOUND
 from tests.models import lm_loss
-from tests.test_shapes import CountAtCut, KeptRows, RaggedCut
+from tests.test_shapes import CountAtCut, ExpertsHit, HitMoE, KeptIfAny, KeptRows, LeafRowsAtCut, RaggedCut
 
 pytestmark = pytest.mark.distributed
 
@@ -46,7 +47,7 @@ def _case(name: str) -> tuple[torch.nn.Module, Any]:
         ids = lambda n, g: torch.randint(0, 32, (n, 8), generator=g)  # noqa: E731
         return model, lambda n, seed: (ids(n, torch.Generator().manual_seed(seed)),
                                        ids(n, torch.Generator().manual_seed(seed + 100)))
-    model = RaggedCut() if name == "ragged" else CountAtCut()
+    model = {"ragged": RaggedCut, "count": CountAtCut, "hit": HitMoE, "leaf_rows": LeafRowsAtCut}[name]()
     return model, lambda n, seed: (torch.randn(n, 16, generator=torch.Generator().manual_seed(seed)),
                                    torch.randn(n, 4 if name == "ragged" else 16,
                                                generator=torch.Generator().manual_seed(seed + 100)))
@@ -54,6 +55,9 @@ def _case(name: str) -> tuple[torch.nn.Module, Any]:
 
 def _loss_fn(name: str) -> Any:
     return lm_loss if name.startswith("moe") else _mse
+
+
+LEAVES = {"hit": [ExpertsHit], "leaf_rows": [KeptIfAny]}  # modules no tracer follows, kept whole
 
 
 def _dynamic_cut(pm: replica.PipelineModel, x: torch.Tensor) -> list[str]:
@@ -74,7 +78,7 @@ def case_job(rank: int, world: int, layouts: list[tuple[str, int, str]], edges: 
         traced_x, _ = batch(8, 1)
         pm = replica.auto_parallel(model, (traced_x,), num_stages=num_stages, num_microbatches=2,
                                    schedule=schedule, loss_fn=_loss_fn(name), device=COMPUTE_BOUND,
-                                   timeout_s=STEP_TIMEOUT_S)
+                                   timeout_s=STEP_TIMEOUT_S, leaf_modules=LEAVES.get(name, ()))
         report: dict[str, Any] = {"layout": (name, num_stages, schedule), "replicas": pm.data_parallel_size,
                                   "stages_here": [s.stage_index for s in pm.stages], "steps": []}
         if name.startswith("moe"):
@@ -128,6 +132,19 @@ def _edges() -> dict[str, Any]:
             torch.testing.assert_close(got[0], want[0])
             assert got[1] == want[1] == len(want[0]), (got[1], want[1])
             report["kept"].append((size, want[1]))
+    # last (a rank that raises ends the job): a module kept whole whose output's length follows the data
+    # is run on zeros by the oracle; at the cut its sender finds another length and raises
+    model, batch = _case("leaf_rows")
+    x, y = batch(8, 1)
+    pm = replica.auto_parallel(model, (x,), num_stages=2, num_microbatches=1, loss_fn=_mse, device=COMPUTE_BOUND,
+                               timeout_s=STEP_TIMEOUT_S, leaf_modules=LEAVES["leaf_rows"])
+    report["leaf_cut"] = [b.name for b in pm.plan.stages[0].outputs]
+    start = time.monotonic()
+    try:
+        pm.train_step(x, y)
+        report.update(leaf_type=None, leaf_message="train_step succeeded")
+    except Exception as exc:
+        report.update(leaf_type=type(exc).__name__, leaf_message=str(exc), leaf_elapsed_s=time.monotonic() - start)
     return report
 
 
@@ -153,7 +170,7 @@ def _check_moe_routing(report: dict) -> None:
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     layouts = [("moe_loop", 2, "1f1b"), ("moe_loop", 1, "1f1b"), ("moe_loop", 4, "interleaved")]
-    layouts += [(name, 2, "1f1b") for name in MOE[1:]] + [("ragged", 2, "1f1b")]
+    layouts += [(name, 2, "1f1b") for name in MOE[1:]] + [("ragged", 2, "1f1b"), ("hit", 2, "1f1b")]
     return _run(case_job, 2, layouts, True)
 
 
@@ -210,3 +227,21 @@ def test_data_dependent_python_values_fail_fast_at_a_cut_and_come_back_from_the_
             assert part in r["message"], (part, r["message"])
         assert r["elapsed_s"] < STEP_TIMEOUT_S / 2, r  # raised by the oracle, not a timeout
         assert all(0 < kept < size for size, kept in r["kept"]), r["kept"]  # lengths the data decided
+
+
+def test_a_module_kept_whole_that_loops_on_the_data_trains_exactly(two_ranks):
+    """Hugging Face's older Mixtral loop (``for e in experts hit``), kept whole as the tracer's
+    error advises: the oracle runs it on zeros; every gradient the plain model's."""
+    reports = next(r for r in _by_layout(two_ranks) if r[0]["layout"][0] == "hit")
+    _every_parameter_checked("hit", reports)
+
+
+def test_a_module_kept_whole_whose_output_length_follows_the_data_fails_clearly_at_the_cut(two_ranks):
+    """Its sender names the value, the stages and the fix; its receiver names the sender: no hang."""
+    sender, receiver = (r["edges"] for r in two_ranks)
+    (cut,) = sender["leaf_cut"]  # the module's rows, or a value made from them: sized by the data
+    assert sender["leaf_type"] == receiver["leaf_type"] == "PipelineError", (sender, receiver)
+    for part in (f"stage 0 made {cut!r}", "stage(s) [1]", "leaf_modules=", "move the cut"):
+        assert part in sender["leaf_message"], (part, sender["leaf_message"])
+    assert "from rank 0" in receiver["leaf_message"], receiver["leaf_message"]
+    assert receiver["leaf_elapsed_s"] < STEP_TIMEOUT_S / 2, receiver  # the sender's exit, not a timeout

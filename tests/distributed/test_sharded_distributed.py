@@ -109,10 +109,8 @@ def test_two_stages_by_two_sharded_replicas_on_four_ranks() -> None:
     _assert_sharded(_run(sharded_job, 4, runs), 2)
 
 
-def test_sharding_refuses_zero_bubble_schedules() -> None:
+def test_sharding_refuses_one_replica() -> None:
     model, inputs, _, _ = models.tiny_gpt(8)
-    with pytest.raises(replica.ConfigError, match="zero-bubble"):
-        replica.plan(model, inputs, world_size=4, num_stages=2, schedule="zb-h1", sharded_data_parallel=True)
     with pytest.raises(replica.ConfigError, match="one"):
         replica.plan(model, inputs, world_size=2, num_stages=2, sharded_data_parallel=True)
 
@@ -191,3 +189,81 @@ def test_a_block_whose_output_is_written_in_place_joins_the_root_unit() -> None:
 
     groups = block_groups(fx.symbolic_trace(Net()))
     assert groups == {"blocks.0": ["blocks.0.fc"]}, groups
+
+
+def _reduce_scatters() -> tuple[list[int], object]:
+    """Count the reduce-scatters FSDP2 starts (torch's public collectives, looked up on call), and how to stop."""
+    import torch.distributed as dist
+
+    count = [0]
+    saved = {name: getattr(dist, name) for name in ("reduce_scatter_tensor", "reduce_scatter_single")
+             if hasattr(dist, name)}
+
+    def counting(original):
+        def call(*args, **kwargs):
+            count[0] += 1
+            return original(*args, **kwargs)
+        return call
+
+    for name, original in saved.items():
+        setattr(dist, name, counting(original))
+    return count, lambda: [setattr(dist, name, original) for name, original in saved.items()]
+
+
+def grad_sync_job(rank: int, world: int, runs: tuple[tuple[str | None, dict], ...]) -> bytes:
+    """Each run: one step of the tiny GPT sharded, its gradients against the plain model's (fp32: the
+    whole batch; bf16: micro-batch by micro-batch under the same autocast), and how many
+    reduce-scatters the step started on this rank."""
+    from tests.grads import assert_same_grads
+
+    reports = []
+    for precision, layout in runs:
+        model, inputs, target, loss_fn, _ = _gpt()
+        plain = copy.deepcopy(model)
+        pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S,
+                                   mixed_precision=precision, **layout)
+        count, stop = _reduce_scatters()
+        try:
+            pm.train_step(inputs, target)
+        finally:
+            stop()
+        if precision is None:
+            ref = copy.deepcopy(plain)
+            loss_fn(ref(*inputs), target).backward()
+            assert_same_grads(pm, ref, subset=True, context=f"{layout}: ")
+        else:  # FSDP gathers in bf16 and reduces in fp32 (MixedPrecisionPolicy): bf16's round-off
+            ref = microbatch_reference(plain, inputs, target, loss_fn, pm.plan, torch.bfloat16)
+            want = dict(ref.named_parameters())
+            for name, p in pm.named_parameters():
+                atol = 5e-2 * float(want[name].grad.abs().max())
+                torch.testing.assert_close(_full(p.grad), want[name].grad, rtol=5e-2, atol=atol,
+                                           msg=lambda m, name=name: f"{layout} {name}: {m}")
+        reports.append({"syncs": [s.grad_sync for s in pm.plan.stages], "reduce_scatters": count[0],
+                        "layout": pm.plan.layout.describe(), "m": pm.plan.num_microbatches})
+    return _portable(reports)
+
+
+def test_reduce_scatter_every_microbatch_gives_the_plain_gradients_on_four_ranks() -> None:
+    """grad_sync="microbatch" (#39): every micro-batch's gradients are reduce-scattered once they are
+    final, so a step starts m times as many reduce-scatters as grad_sync="step", and every gradient is
+    still the plain model's: 2 stages x 2 zero3 replicas under 1F1B, interleaved (2 stages a rank) and
+    zb-h1 (after each W); zb-h1 reducing once a step (after the last W) under bf16 with zero2."""
+    sharded = dict(sharded_data_parallel="zero3", num_microbatches=4)
+    runs = ((None, dict(num_stages=2, schedule="1f1b", grad_sync="step", **sharded)),
+            (None, dict(num_stages=2, schedule="1f1b", grad_sync="microbatch", **sharded)),
+            (None, dict(num_stages=4, schedule="interleaved", data_parallel_size=2, grad_sync="microbatch",
+                        **sharded)),
+            (None, dict(num_stages=2, schedule="zb-h1", grad_sync="microbatch", **sharded)),
+            ("bf16", dict(num_stages=2, schedule="zb-h1", grad_sync="step", num_microbatches=4,
+                          sharded_data_parallel="zero2")))
+    reports = _run(grad_sync_job, 4, runs)
+    for r in reports:
+        step, every, interleaved, zb_every, zb_step = r
+        assert step["syncs"] == zb_step["syncs"] == ["step"] * 2, r
+        assert every["syncs"] == zb_every["syncs"] == ["microbatch"] * 2, r
+        assert interleaved["syncs"] == ["microbatch"] * 4, r
+        assert "interleaved" in interleaved["layout"] and "2 data (zero3" in interleaved["layout"], r
+        assert "zb-h1" in zb_every["layout"] and "2 data (zero2" in zb_step["layout"], r
+        assert step["reduce_scatters"] > 0 and interleaved["reduce_scatters"] % 4 == 0, r
+        assert every["reduce_scatters"] == 4 * step["reduce_scatters"], r
+        assert zb_every["reduce_scatters"] == 4 * zb_step["reduce_scatters"] > 0, r
