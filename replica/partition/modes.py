@@ -36,7 +36,8 @@ _FUNCTIONAL_DROPOUTS = {F.dropout: "dropout", F.dropout1d: "dropout1d", F.dropou
                         torch.dropout: "dropout", torch.alpha_dropout: "alpha", torch.feature_dropout: "feature"}
 _KINDS = {"dropout": F.dropout, "dropout1d": F.dropout1d, "dropout2d": F.dropout2d, "dropout3d": F.dropout3d,
           "alpha": F.alpha_dropout, "feature_alpha": F.feature_alpha_dropout}
-_FROZEN = {torch.ops.aten._native_batch_norm_legit_no_training.default, torch.ops.aten._native_batch_norm_legit.no_stats}
+_FROZEN = {torch.ops.aten._native_batch_norm_legit_no_training.default,
+           torch.ops.aten._native_batch_norm_legit.no_stats}
 _NORMS = {F.batch_norm, F.instance_norm, torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
 _RANDOM = re.compile(r"(^|[._])(dropout\w*|rand\w*|bernoulli\w*|normal_?|uniform_?|multinomial|randperm|"
                      r"exponential_|geometric_|cauchy_|log_normal_|rrelu\w*)($|[._])")
@@ -95,7 +96,8 @@ def follow_mode(gm: fx.GraphModule) -> int:
             x, p = bound["input"], bound.get("p", 0.5)
             train, inplace = bound.get("training", bound.get("train", True)), bound.get("inplace", False)
         elif n.target in _ATTENTION:
-            bound = {**dict(zip(_ATTENTION_ARGS, n.args)), **{k: v for k, v in n.kwargs.items() if k in _ATTENTION_ARGS}}
+            bound = {**dict(zip(_ATTENTION_ARGS, n.args)),
+                     **{k: v for k, v in n.kwargs.items() if k in _ATTENTION_ARGS}}
             p = bound.get("dropout_p", 0.0)
             if not (isinstance(p, float) and p > 0):
                 continue  # no dropout (traced in eval mode, the rate is not known)

@@ -12,8 +12,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from replica.errors import ConfigError, TraceError
-from replica.partition.graph import INPUT, OP, OUTPUT, Graph, Node, ParameterInfo
 from replica.partition.export import DYNAMIC, ExportedInputs, export_graph_module
+from replica.partition.graph import INPUT, OP, OUTPUT, Graph, Node, ParameterInfo
 from replica.partition.holding import hold_unused
 from replica.partition.inputs import InputSpec, normalize_inputs
 from replica.partition.modes import follow_mode

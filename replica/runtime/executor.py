@@ -189,7 +189,8 @@ class Executor:
         self.split_backward = splits_backward(schedule)
         # the stages that send an input gradient to another process; a W right after its own
         # B runs inside that backward, unless the B sends one: that gradient would wait
-        self.sends_back = {k for k, st in self.stages.items() if any(src not in self.stages for src in st.input_sources)}
+        self.sends_back = {k for k, st in self.stages.items()
+                           if any(src not in self.stages for src in st.input_sources)}
         self.fused = {key for key in fused_weight_grads(self.actions) if key[0] not in self.sends_back}
         # Without W actions (GPipe, 1F1B, interleaved) a backward that sends an input gradient
         # to another process still runs in two parts, inside its own action: input gradients,

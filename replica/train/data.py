@@ -110,7 +110,8 @@ class TensorSource(DataSource):
         self.num_samples: int = sizes.pop()
         if target is not None:
             if not isinstance(target, torch.Tensor) or target.dim() == 0:
-                raise ConfigError(f"y must be a tensor with one target per sample along dim 0, got {type(target).__name__}")
+                raise ConfigError(
+                    f"y must be a tensor with one target per sample along dim 0, got {type(target).__name__}")
             if target.shape[0] != self.num_samples:
                 raise ConfigError(
                     f"x has {self.num_samples} samples but y has {target.shape[0]}; they must match along dim 0"
@@ -133,7 +134,8 @@ class DatasetSource(DataSource):
         try:
             self.num_samples: int = len(dataset)  # type: ignore[arg-type]
         except TypeError:
-            raise ConfigError(f"{type(dataset).__name__} has no len(); pass a map-style Dataset or a DataLoader") from None
+            raise ConfigError(
+                f"{type(dataset).__name__} has no len(); pass a map-style Dataset or a DataLoader") from None
         if self.num_samples == 0:
             raise ConfigError(f"the dataset {type(dataset).__name__} is empty")
         self.dataset = dataset
