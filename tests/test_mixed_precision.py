@@ -208,3 +208,27 @@ def test_a_tensor_that_disagrees_with_the_agreed_dtype_is_named_before_it_is_sen
     message = str(info.value)
     for part in ("'add_4'", "micro-batch 2", "stage 0", "[1]", "torch.bfloat16", "torch.float32", "autocast"):
         assert part in message, (part, message)
+
+
+def test_an_exported_model_whose_norm_asserts_fp32_trains_in_bf16() -> None:
+    """Qwen3 (HF, torch.export) normalizes q and k in fp32: export writes a check that the norm's
+    input is fp32, which bf16 autocast makes bf16 on purpose. The check computes nothing and is
+    dropped from every stage: the plain model's gradients under the same autocast."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=16, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config)
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+
+    def loss_fn(out, target):
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    plain = copy.deepcopy(model)
+    pm = replica.auto_parallel(model, (x,), num_stages=2, num_microbatches=2, loss_fn=loss_fn, mixed_precision="bf16",
+                               tracer="export")
+    pm.train_step(x, y)
+    # the exported graph's aten ops (attention, norms) round in bf16 where HF's eager modules do not, alike:
+    # bf16 round-off, not the same-ops tolerance
+    _assert_close(pm, _grads(microbatch_reference(plain, (x,), y, loss_fn, pm.plan, torch.bfloat16)), **BF16)

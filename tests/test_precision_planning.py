@@ -369,6 +369,23 @@ def test_a_meta_model_plans_in_bf16_on_a_preset():
     assert {b.dtype for s in p.stages for b in s.outputs} <= {"bfloat16", "float32"}
 
 
+def test_an_exported_moe_on_meta_plans_in_bf16_for_a_gpu():
+    """Qwen3-MoE (HF, grouped_mm experts) on meta: torch.export writes dtype checks into the graph
+    (a q_norm asserts its fp32 input, which autocast makes bf16) and the experts count tokens with
+    an int32 histc, which only a GPU (or meta) kernel takes: planned for an H100 on meta, in bf16."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=16, use_cache=False, tie_word_embeddings=False, mlp_only_layers=[])
+    config._experts_implementation = "grouped_mm"
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    tokens = torch.empty(4, 16, dtype=torch.long, device="meta")
+    p = replica.plan(model, (tokens,), num_stages=2, device="h100-80gb", cost="analytic", mixed_precision="bf16")
+    assert p.precision == "bf16" and p.num_stages == 2
+
+
 # --------------------------------------------------------------------------- the plan
 
 

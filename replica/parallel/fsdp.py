@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from replica.errors import ConfigError
+from replica.partition.export import drop_dtype_asserts
 from replica.partition.mutation import is_view, mutates_first_argument
 from replica.stage.checkpoint import checkpointed_modules
 
@@ -162,20 +163,6 @@ def _shard_placement(param: torch.nn.Parameter) -> Any:
         if getattr(placement, "split_factor", 1) > 1 and param.dim() > 1:
             return Shard(1) if placement.dim == 0 else Shard(0)
     return None
-
-
-def drop_dtype_asserts(module: fx.GraphModule) -> int:
-    """Remove the dtype and device checks ``torch.export`` writes into a graph
-    (``aten._assert_tensor_metadata``): they assert the traced dtypes, which weights gathered
-    in half precision change on purpose. They compute nothing. Returns how many."""
-    target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
-    checks = [n for n in module.graph.nodes if target is not None and n.op == "call_function"
-              and n.target in (target, getattr(target, "default", None)) and not n.users]
-    for n in checks:
-        module.graph.erase_node(n)
-    if checks:
-        module.recompile()
-    return len(checks)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -215,7 +215,7 @@ def _rerun(traced: Traced, names: dict[int, str], device_type: str, precision: s
     on that device type, as :func:`~replica.partition.record.record` would."""
     gm, dtype = traced.module, autocast_dtype(precision)
     native = device_type == "cpu" or torch.cuda.is_available()
-    device = torch.device(device_type if native else "cpu")
+    device = torch.device(device_type if native else "meta")
     amp = functools.partial(torch.autocast, device.type, dtype=dtype) if native else contextlib.nullcontext
     held = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     mode = FakeTensorMode(allow_non_fake_inputs=True)

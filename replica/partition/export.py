@@ -17,7 +17,7 @@ from torch.utils._pytree import TreeSpec, tree_leaves, tree_map, tree_unflatten
 from replica.errors import ConfigError
 from replica.partition.inputs import InputSpec
 
-__all__ = ["export_graph_module", "ExportedInputs", "DYNAMIC"]
+__all__ = ["export_graph_module", "ExportedInputs", "DYNAMIC", "is_dtype_assert", "drop_dtype_asserts"]
 
 
 class ExportedInputs(InputSpec):
@@ -164,3 +164,22 @@ def export_graph_module(model: torch.nn.Module, args: tuple[Any, ...], kwargs: d
     spec = ep.call_spec.out_spec
     gm.register_forward_hook(_unflatten_hook(spec))
     return gm, spec, _fixed_dims(ep, len(tree_leaves((args, kwargs))))
+
+
+def is_dtype_assert(n: fx.Node) -> bool:
+    """Whether ``n`` is one of the dtype and device checks ``torch.export`` writes into a graph
+    (``aten._assert_tensor_metadata``): it asserts the traced dtype of a value, which autocast
+    and weights gathered in half precision change on purpose, and computes nothing."""
+    target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+    return target is not None and n.op == "call_function" and n.target in (target, getattr(target, "default", None)) \
+        and not n.users
+
+
+def drop_dtype_asserts(module: fx.GraphModule) -> int:
+    """Remove ``module``'s :func:`is_dtype_assert` checks; how many."""
+    checks = [n for n in module.graph.nodes if is_dtype_assert(n)]
+    for n in checks:
+        module.graph.erase_node(n)
+    if checks:
+        module.recompile()
+    return len(checks)

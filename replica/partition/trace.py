@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from replica.errors import ConfigError, TraceError
-from replica.partition.export import DYNAMIC, ExportedInputs, export_graph_module
+from replica.partition.export import DYNAMIC, ExportedInputs, drop_dtype_asserts, export_graph_module
 from replica.partition.graph import INPUT, OP, OUTPUT, Graph, Node, ParameterInfo
 from replica.partition.holding import hold_unused
 from replica.partition.inputs import InputSpec, normalize_inputs
@@ -166,6 +166,8 @@ def _export_trace(model: torch.nn.Module, inputs: tuple[Any, ...], spec: InputSp
             f"{str(exc).splitlines()[0] if str(exc) else ''}\n  at {user_frame(exc)}\n" + _export_fix(model, exc)
         ) from exc
     make_writes_explicit(gm)
+    # export's checks of the traced dtypes compute nothing, and autocast changes those dtypes on purpose
+    drop_dtype_asserts(gm)
     if fixed and any(fixed):
         spec = ExportedInputs(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
     spec.flat = True
