@@ -215,32 +215,46 @@ def _rerun(traced: Traced, names: dict[int, str], device_type: str, precision: s
     on that device type, as :func:`~replica.partition.record.record` would."""
     gm, dtype = traced.module, autocast_dtype(precision)
     native = device_type == "cpu" or torch.cuda.is_available()
-    device = torch.device(device_type if native else "meta")
+    device = torch.device(device_type if native else "cpu")
     amp = functools.partial(torch.autocast, device.type, dtype=dtype) if native else contextlib.nullcontext
     held = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    try:
+        return _fake_rerun(traced, names, held, device, None if native else dtype, amp)
+    except Exception as first:
+        exc = first
+    if not native:  # a GPU's autocast emulated: on meta kernels, where a CPU kernel lacks a dtype (int32 histc)
+        try:
+            return _fake_rerun(traced, names, held, torch.device("meta"), dtype, amp)
+        except Exception:
+            pass
+    on_device = all(t.device.type == device_type for _, t in held)
+    if not (real and native and on_device):
+        raise TraceError(
+            f"Running the traced graph of {type(gm).__name__} on fake tensors under {precision} autocast failed: "
+            f"{type(exc).__name__}: {exc}\n  at {user_frame(exc)}\nFix: plan it in the weights' dtype "
+            "(mixed_precision=None), or with real weights and inputs on the device it will train on."
+        ) from exc
+    rerun = _Rerun(gm, names, _Watch({id(t): names[id(t)] for _, t in held if id(t) in names}, None), device,
+                   fake=False)
+    with untouched(gm), torch.no_grad(), amp():
+        rerun.run(*traced.example)
+    return rerun
+
+
+def _fake_rerun(traced: Traced, names: dict[int, str], held: list[tuple[str, torch.Tensor]], device: torch.device,
+                emulate: torch.dtype | None, amp: Any) -> _Rerun:
+    """``traced`` run once on fake tensors on ``device``, its weights' and inputs' kinds, under ``amp``
+    (or, ``emulate``, autocast to that dtype emulated by :class:`_Watch`)."""
+    gm = traced.module
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     copies: dict[int, torch.Tensor] = {}
     with mode:
         fakes = {name: copies.setdefault(id(t), torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
                                                                     device=device)) for name, t in held}
     weights = {id(copies[id(t)]): names[id(t)] for _, t in held if id(t) in names}
-    try:
-        rerun = _Rerun(gm, names, _Watch(weights, None if native else dtype), device, fake=True)
-        with untouched(gm), _reparametrize_module(gm, fakes), mode, torch.no_grad(), amp():
-            rerun.run(*_fake_inputs(traced.example, device, mode))
-        return rerun
-    except Exception as exc:
-        on_device = all(t.device.type == device_type for _, t in held)
-        if not (real and native and on_device):
-            raise TraceError(
-                f"Running the traced graph of {type(gm).__name__} on fake tensors under {precision} autocast failed: "
-                f"{type(exc).__name__}: {exc}\n  at {user_frame(exc)}\nFix: plan it in the weights' dtype "
-                "(mixed_precision=None), or with real weights and inputs on the device it will train on."
-            ) from exc
-    rerun = _Rerun(gm, names, _Watch({id(t): names[id(t)] for _, t in held if id(t) in names}, None), device,
-                   fake=False)
-    with untouched(gm), torch.no_grad(), amp():
-        rerun.run(*traced.example)
+    rerun = _Rerun(gm, names, _Watch(weights, emulate), device, fake=True)
+    with untouched(gm), _reparametrize_module(gm, fakes), mode, torch.no_grad(), amp():
+        rerun.run(*_fake_inputs(traced.example, device, mode))
     return rerun
 
 
