@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from replica.errors import ConfigError
-from replica.layout import SCHEDULE_KINDS, SHARDINGS, Layout, schedule_kind
+from replica.layout import GRAD_SYNCS, SCHEDULE_KINDS, SHARDINGS, Layout, schedule_kind
 from replica.partition.cost import device_spec, torch_device_of
 from replica.planner.options import PlannerOptions
 from replica.planner.tensor_parallel import tensor_parallel_choices
@@ -141,7 +141,7 @@ class PlanningOptions:
                 f"shard_group_size={g} does not divide data_parallel_size={d}: each shard group holds {g} replicas "
                 f"and the groups replicate each other. Use shard_group_size in "
                 f"{[k for k in range(1, d + 1) if d % k == 0]}")
-        if self.grad_sync not in (None, "step", "microbatch"):
+        if self.grad_sync is not None and self.grad_sync not in GRAD_SYNCS:
             raise ConfigError(
                 f"grad_sync must be 'step' (sharded replicas reduce-scatter each gradient once a step), 'microbatch' "
                 f"(after every micro-batch's backward: gradients accumulate sharded) or None (the planner decides), "
