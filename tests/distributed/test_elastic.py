@@ -45,8 +45,10 @@ def test_a_killed_rank_is_restarted_and_resumes_to_the_same_weights(tmp_path: Pa
     # the survivors of the kill: a line each, not a traceback each (rank 0's is whole)
     tracebacks = {line.split("]")[0] for line in full.splitlines() if "Traceback (most recent" in line}
     assert tracebacks <= {"[rank0"}, full[-12000:]
-    assert any(line.startswith("replica: rank ") and ("PipelineError" in line or "CheckpointError" in line)
-               for line in full.splitlines()), log
+    # a survivor names what it lost: rank 0 in its traceback, another rank in one line, if it says it before
+    # torchrun's SIGTERM reaches it (a race torchrun decides: on CI ranks 2 and 3 were ended first)
+    assert any((line.startswith("replica: rank ") or line.startswith("[rank0]: replica."))
+               and ("PipelineError" in line or "CheckpointError" in line) for line in full.splitlines()), log
 
     # the first attempt never finished; the restart (attempt 1) resumed from step 3 on both ranks, the
     # checkpoint of step 6 being half written when rank 1 died
