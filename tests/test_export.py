@@ -163,3 +163,66 @@ def test_plan_records_dynamic_dims_in_json_and_summary():
     again = replica.Plan.from_json(plan.to_json())
     assert again.dynamic_dims == ((0, 1),)
     assert "dynamic dims per input (others fixed by torch.export): input 0: 0, 1" in again.summary()
+
+
+class Scaled(nn.Module):
+    """Export bakes in what is not a weight: a flag read by Python, a plain tensor attribute."""
+
+    def __init__(self, flip: bool = False, offset: float = 0.0) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.flip = flip
+        self.offset = torch.full((8,), offset)  # an attribute, not a buffer: a constant in the graph
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 0:  # a shape branch: fx cannot trace it
+            x = -x if self.flip else x
+        return torch.tanh(self.l1(x)) + self.offset
+
+
+def _exports_of(model: nn.Module, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> tuple[int, torch.Tensor]:
+    """How many times torch.export ran to trace ``model``, and the traced graph's output on ``x``."""
+    from replica.partition import export as exporting
+
+    calls = []
+    real = exporting._export
+    monkeypatch.setattr(exporting, "_export", lambda *a, **k: calls.append(1) or real(*a, **k))
+    traced = trace(model, (x,), tracer="export")
+    monkeypatch.setattr(exporting, "_export", real)
+    return len(calls), traced.module(x)
+
+
+def test_the_same_model_again_is_not_exported_again_and_reads_its_own_weights(monkeypatch):
+    from replica.partition import export as exporting
+
+    monkeypatch.setattr(exporting, "_EXPORTS", {})
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    first = Scaled()
+    assert _exports_of(first, x, monkeypatch)[0] == 1
+    torch.manual_seed(1)  # another model built alike: other weights, the same export
+    second = Scaled()
+    runs, out = _exports_of(second, x, monkeypatch)
+    assert runs == 0
+    torch.testing.assert_close(out, second(x), rtol=0, atol=0)
+    # what export bakes in, changed: exported again, and each graph computes its own model
+    for changed in (Scaled(flip=True), Scaled(offset=1.0), Scaled().eval(), Scaled().double()):
+        changed.l1.load_state_dict(second.l1.state_dict())
+        xx = x.to(changed.l1.weight.dtype)
+        runs, out = _exports_of(changed, xx, monkeypatch)
+        assert runs == 1
+        torch.testing.assert_close(out, changed(xx), rtol=0, atol=0)
+    assert _exports_of(Scaled(), x, monkeypatch)[0] == 0  # the first one is still kept
+    assert _exports_of(Scaled(), torch.randn(4, 8, 2)[..., 0], monkeypatch)[0] == 1  # other strides
+    assert _exports_of(Scaled(), torch.randn(2, 8), monkeypatch)[0] == 1  # another input shape
+    assert len(exporting._EXPORTS) <= exporting._KEPT_EXPORTS
+
+
+def test_an_attribute_of_an_unknown_kind_is_exported_every_time(monkeypatch):
+    from replica.partition import export as exporting
+
+    monkeypatch.setattr(exporting, "_EXPORTS", {})
+    model = Scaled()
+    model.helper = object()  # what it does to the code cannot be told by its value
+    assert [_exports_of(model, torch.randn(4, 8), monkeypatch)[0] for _ in range(2)] == [1, 1]
+    assert exporting._EXPORTS == {}

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import inspect
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -87,11 +89,11 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     return {name: tree_map(dims, value) for name, value in bound.arguments.items()}
 
 
-def _fixed_dims(ep: Any, num_inputs: int) -> tuple[dict[int, int], ...]:
-    """For each user input of ``ep``: the dims export specialised to a number (besides the batch)."""
-    user = set(ep.graph_signature.user_inputs)
+def _fixed_dims(graph: fx.Graph, user_inputs: Any, num_inputs: int) -> tuple[dict[int, int], ...]:
+    """For each user input of an exported ``graph``: the dims export specialised to a number (besides the batch)."""
+    user = set(user_inputs)
     out = []
-    for n in ep.graph.nodes:
+    for n in graph.nodes:
         if n.op == "placeholder" and n.name in user:
             val = n.meta.get("val")
             shape = getattr(val, "shape", ())
@@ -116,11 +118,61 @@ def export_graph_module(model: torch.nn.Module, args: tuple[Any, ...], kwargs: d
     dims (``"auto"``: not an image's sides), or none (``"batch"``). Each dynamic dim costs export time: a Swin
     with its image's sides dynamic took 30-90 s to export, 1 s with only the batch; where
     the wider export fails, the batch-only one is tried."""
-    from torch.export import export
-
     if dynamic not in DYNAMIC:
         raise ValueError(f"dynamic must be one of {DYNAMIC}, got {dynamic!r}")
     kwargs = dict(kwargs or {})
+    key = _export_key(model, args, kwargs, constants, dynamic)
+    ep = _EXPORTS.pop(key, None) if key is not None else None
+    if ep is None:
+        ep = _export(model, args, kwargs, constants, dynamic)
+    if key is not None:  # the newest last: the oldest goes first
+        _EXPORTS[key] = ep
+        while len(_EXPORTS) > _KEPT_EXPORTS:
+            del _EXPORTS[next(iter(_EXPORTS))]
+    if ep.mutated:
+        raise RuntimeError(
+            f"the model writes into buffers {ep.mutated[:4]} while it runs (a "
+            "BatchNorm in training mode, a cache); a pipeline cannot share such state across micro-batches"
+        )
+    root: dict[str, Any] = {}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in ep.graph.nodes:
+        if n.op == "placeholder" and n.name in ep.weights:
+            name = ep.weights[n.name]
+            root[name] = _resolve(model, name)
+            env[n] = graph.get_attr(name)
+        elif n.op == "placeholder" and n.name in ep.constants:
+            name, value = ep.constants[n.name]
+            root[name] = value
+            env[n] = graph.get_attr(name)
+        elif n.op == "output":
+            env[n] = graph.output(fx.map_arg(n.args[0], lambda a: env[a]))
+        else:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        env[n].meta = dict(n.meta)
+    graph.lint()
+    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    gm.register_forward_hook(_unflatten_hook(ep.out_spec))
+    return gm, ep.out_spec, _fixed_dims(ep.graph, ep.user_inputs, len(tree_leaves((args, kwargs))))
+
+
+class _Exported(NamedTuple):
+    """What Replica reads of an ``ExportedProgram``: its graph (placeholders named by the signature) and
+    signature, not its state dict (the first model's weights: a later model's own are looked up by name)."""
+
+    graph: fx.Graph
+    weights: dict[str, str]  # placeholder -> parameter or buffer name
+    constants: dict[str, tuple[str, torch.Tensor]]  # placeholder -> (attribute name, lifted tensor constant)
+    user_inputs: tuple[str, ...]
+    mutated: list[str]  # buffers (or inputs) the model writes into
+    out_spec: TreeSpec
+
+
+def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], constants: dict[str, Any] | None,
+            dynamic: str) -> _Exported:
+    from torch.export import export
+
     wide = dynamic != "batch" and any(
         _widens(x, dynamic) and x.dim() > 1 for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor))
     with _fixed_keywords(model, dict(constants or {})):
@@ -135,35 +187,90 @@ def export_graph_module(model: torch.nn.Module, args: tuple[Any, ...], kwargs: d
             ep = export(model, tuple(args), kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs, "batch"),
                         strict=False)
     sig = ep.graph_signature
-    if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
-        raise RuntimeError(
-            f"the model writes into buffers {sorted(sig.buffers_to_mutate.values())[:4]} while it runs (a "
-            "BatchNorm in training mode, a cache); a pipeline cannot share such state across micro-batches"
-        )
-    weights = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
     lifted = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
-    root: dict[str, Any] = {}
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in ep.graph.nodes:
-        if n.op == "placeholder" and n.name in weights:
-            name = weights[n.name]
-            root[name] = _resolve(model, name)
-            env[n] = graph.get_attr(name)
-        elif n.op == "placeholder" and n.name in lifted:
-            name = lifted[n.name].replace(".", "_")
-            root[name] = ep.constants[lifted[n.name]]
-            env[n] = graph.get_attr(name)
-        elif n.op == "output":
-            env[n] = graph.output(fx.map_arg(n.args[0], lambda a: env[a]))
-        else:
-            env[n] = graph.node_copy(n, lambda a: env[a])
-        env[n].meta = dict(n.meta)
-    graph.lint()
-    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
-    spec = ep.call_spec.out_spec
-    gm.register_forward_hook(_unflatten_hook(spec))
-    return gm, spec, _fixed_dims(ep, len(tree_leaves((args, kwargs))))
+    return _Exported(
+        graph=ep.graph, weights={**sig.inputs_to_parameters, **sig.inputs_to_buffers},
+        constants={p: (fqn.replace(".", "_"), ep.constants[fqn]) for p, fqn in lifted.items()},
+        user_inputs=tuple(sig.user_inputs),
+        mutated=sorted(sig.buffers_to_mutate.values()) + sorted(getattr(sig, "user_inputs_to_mutate", {}) or {}),
+        out_spec=ep.call_spec.out_spec)
+
+
+# The newest exports of this process by what decides them (:func:`_export_key`): planning the same model
+# again (plan, then auto_parallel; the tuner; every case a test builds alike) does not export it again.
+# torch.export takes 1-4 CPU-seconds for a 2-layer Hugging Face model, minutes for a large one.
+_EXPORTS: dict[Any, _Exported] = {}
+_KEPT_EXPORTS = 8
+
+
+class _Unkeyable(Exception):
+    """A value whose effect on the export cannot be told from what it holds: that export is not kept."""
+
+
+_MODULE_BOOKKEEPING = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training")
+
+
+def _export_key(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                constants: dict[str, Any] | None, dynamic: str) -> Any:
+    """What decides ``model``'s export: each module's class, mode and attributes (a config's values, a
+    flag, a hook, a plain tensor attribute's contents: export bakes those in), each weight's name,
+    shape, dtype, device, kind and aliases (not its values: they are graph inputs), the inputs'
+    shapes, dtypes and devices, the constant keywords, the dynamic dims and torch's global modes.
+    None where some attribute cannot be told apart by value (an object of an unknown kind)."""
+    try:
+        aliases: dict[int, int] = {}
+        tensors = tuple(
+            (name, _tensor_key(t), isinstance(t, torch.nn.Parameter), t.requires_grad,
+             aliases.setdefault(id(t), len(aliases)))
+            for name, t in (*model.named_parameters(remove_duplicate=False),
+                            *model.named_buffers(remove_duplicate=False)))
+        modules = tuple((name, type(m), m.training, _value_key({k: v for k, v in vars(m).items()
+                                                                 if k not in _MODULE_BOOKKEEPING}, module=True))
+                        for name, m in model.named_modules(remove_duplicate=False))
+        inputs = _value_key((tuple(args), kwargs, dict(constants or {})))
+    except _Unkeyable:
+        return None
+    modes = (torch.is_grad_enabled(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
+             torch.are_deterministic_algorithms_enabled())
+    return dynamic, modes, tensors, modules, inputs
+
+
+def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return type(t), tuple(t.shape), t.dtype, t.device.type, t.stride() if t.layout == torch.strided else None
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, torch.Size, range, slice)
+
+
+def _value_key(v: Any, module: bool = False) -> Any:
+    if isinstance(v, _PLAIN):
+        return type(v), v
+    if isinstance(v, torch.Tensor):  # a graph input (its values are not baked in) or, on a module, a constant
+        if not module:
+            return _tensor_key(v), v.requires_grad
+        if v.is_meta or type(v) is not torch.Tensor or v.numel() > 1 << 16:
+            raise _Unkeyable
+        return _tensor_key(v), bytes(v.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+    if isinstance(v, (tuple, list, set, frozenset)):
+        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+        return type(v), tuple(_value_key(x, module) for x in items)
+    if isinstance(v, dict):
+        return type(v), tuple((_value_key(k), _value_key(x, module)) for k, x in v.items())
+    if isinstance(v, torch.nn.Module):  # a module held outside the tree (in a dict): its weights are constants
+        return type(v), v.training, _value_key({k: x for k, x in vars(v).items() if k not in _MODULE_BOOKKEEPING},
+                                               True), \
+            tuple((n, _value_key(t, True)) for n, t in (*v.named_parameters(), *v.named_buffers()))
+    if isinstance(v, type) or inspect.isfunction(v) or inspect.isbuiltin(v):  # by identity: a closure made per
+        return v  # model is another function, and so another export
+    if isinstance(v, enum.Enum):
+        return type(v), v.value
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return type(v), _value_key(vars(v), module)
+    to_dict = getattr(v, "to_dict", None)  # a Hugging Face config: every field by value
+    if callable(to_dict) and type(v).__module__.startswith("transformers."):
+        return type(v), _value_key(to_dict(), module)
+    raise _Unkeyable
 
 
 def is_dtype_assert(n: fx.Node) -> bool:
