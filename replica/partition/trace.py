@@ -252,7 +252,7 @@ def trace(
     with the fix. ``Traced.dynamic_dims`` records, per graph input, the dims a call may change.
     An export is kept for this process's next trace of a model built alike (the same classes,
     configuration, attributes and modes, weights and inputs of the same shapes; other weight values):
-    planning the same model again, or each rank's same model, does not run torch.export again.
+    planning the same model again (or another built alike) does not run torch.export again.
 
     ``example_kwargs`` are keyword inputs: tensors become graph inputs after the positional
     ones, anything else (``use_cache=False``) is fixed in the graph. ``leaf_modules`` are
