@@ -7,6 +7,7 @@ import os
 import pickle
 import random
 import socket
+import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -79,15 +80,22 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: in
 
 def _context(gpus: tuple[int, ...] | None) -> Any:
     """CPU ranks: fresh processes forked from one fork server that has imported torch and Replica (and
-    the caller's main script, as spawning would): each rank starts in milliseconds instead of importing
-    both again (about 3 CPU-seconds a rank, most of a small test's cost). The server forks before
+    the caller's main script, as spawning would; and transformers, where the caller has imported it
+    when the server starts): each rank starts in milliseconds instead of importing them again (about
+    3 CPU-seconds a rank each, most of a small test's cost). The server forks before
     any thread or process group exists, so the fork is as clean as a spawn. GPU ranks are spawned:
     CUDA does not survive a fork of a process that touched it (the caller's script may have)."""
     if gpus is not None:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", "torch", "replica"])
+    # Hugging Face's library, where the caller has imported it: a rank that builds a model from it
+    # would import it again (2.8 CPU-s: its lazy module tables and modeling_utils)
+    extras = [m for m in _PRELOADED_IF_IMPORTED if m in sys.modules]
+    ctx.set_forkserver_preload(["__main__", "torch", "replica", *extras])
     return ctx
+
+
+_PRELOADED_IF_IMPORTED = ("transformers", "transformers.modeling_utils")
 
 
 def _check_gpus(gpus: Sequence[int] | None, world_size: int) -> tuple[int, ...] | None:

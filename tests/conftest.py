@@ -11,6 +11,13 @@ import replica
 # machines, and the multi-process tests give each rank one core anyway.
 torch.set_num_threads(1)
 
+# Imported here, before any test starts ranks, so that the fork server every rank forks from holds it
+# (replica.launch): about 40 ranks build Hugging Face models, each saved 2.8 CPU-s of importing it.
+try:
+    import transformers.modeling_utils  # noqa: F401
+except ImportError:  # the test extra is not installed: those tests skip
+    pass
+
 # Tiny test models are latency-bound on a real CPU spec (the best plan keeps them whole);
 # this spec makes ops expensive and transfers free so plans cut through the middle of
 # every model, across skips and tied weights, which is what the transparency tests need.

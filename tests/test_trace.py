@@ -514,3 +514,46 @@ def test_functional_model_traced_through():
     g = trace(Functional(), (torch.randn(2, 4),)).graph
     assert [n.target for n in g.op_nodes] == ["linear", "gelu"]
     assert g.op_nodes[0].parameters == ("w",)
+
+
+class _ValueBranch(nn.Module):
+    """Reads a value out of a tensor: fake tensors cannot run it, so it is recorded on real values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l1(x) * x.abs().sum().item()
+
+
+def test_a_model_built_alike_is_recorded_once_and_alike(monkeypatch):
+    from replica.partition import record as recording
+
+    monkeypatch.setattr(recording, "_RECORDS", {})
+    runs = []
+    real = recording._run_recorder
+    monkeypatch.setattr(recording, "_run_recorder", lambda *a: runs.append(1) or real(*a))
+
+    def nodes(traced):
+        return [(n.name, n.outputs, n.flops, n.value_kind) for n in traced.graph.nodes]
+
+    first = trace(*models.tiny_gpt(8)[:2])
+    again = trace(*models.tiny_gpt(8)[:2])  # other weights, the same shapes: recorded once
+    assert len(runs) == 1 and nodes(again) == nodes(first)
+    smaller = trace(*models.tiny_gpt(4)[:2])
+    assert len(runs) == 2 and nodes(smaller) != nodes(first)  # another batch: recorded again
+    with torch.device("meta"):
+        on_meta = models.tiny_gpt(8)[0]
+    trace(on_meta, (torch.randint(0, 10, models.tiny_gpt(8)[1][0].shape, device="meta"),))
+    assert len(runs) == 3  # meta weights: another device, recorded again
+    assert recording._RECORDS and len(recording._RECORDS) <= recording._KEPT_RECORDS
+
+
+def test_a_graph_run_on_real_values_is_recorded_every_time(monkeypatch):
+    from replica.partition import record as recording
+
+    monkeypatch.setattr(recording, "_RECORDS", {})
+    for _ in range(2):
+        traced = trace(_ValueBranch(), (torch.randn(3, 4),))
+    assert recording._RECORDS == {} and traced.graph.nodes

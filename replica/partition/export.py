@@ -212,11 +212,20 @@ _MODULE_BOOKKEEPING = ("_parameters", "_buffers", "_modules", "_non_persistent_b
 
 def _export_key(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 constants: dict[str, Any] | None, dynamic: str) -> Any:
-    """What decides ``model``'s export: each module's class, mode and attributes (a config's values, a
-    flag, a hook, a plain tensor attribute's contents: export bakes those in), each weight's name,
-    shape, dtype, device, kind and aliases (not its values: they are graph inputs), the inputs'
-    shapes, dtypes and devices, the constant keywords, the dynamic dims and torch's global modes.
-    None where some attribute cannot be told apart by value (an object of an unknown kind)."""
+    """What decides ``model``'s export (:func:`structure_key`), with the constant keywords and the dynamic dims."""
+    return structure_key(model, (tuple(args), kwargs, dict(constants or {})), dynamic)
+
+
+def structure_key(model: torch.nn.Module, inputs: Any, *extra: Any, root_attributes: bool = True,
+                  constants: dict[str, torch.Tensor] | None = None) -> Any:
+    """What decides how ``model`` traces and what shapes its ops make: each module's class, mode and
+    attributes (a config's values, a flag, a hook, a plain tensor attribute's contents: a trace bakes
+    those in; the root's own left out with ``root_attributes=False``), each weight's name, shape,
+    dtype, strides, device, kind and aliases (not its values: they are graph inputs), the
+    ``inputs``' shapes, dtypes, strides and devices (their non-tensor values by value), ``extra``,
+    the tensors in ``constants`` by value, and torch's global modes. None where some attribute
+    cannot be told apart by value (an object of an unknown kind): whatever was computed from it
+    is not kept."""
     try:
         aliases: dict[int, int] = {}
         tensors = tuple(
@@ -226,13 +235,14 @@ def _export_key(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                             *model.named_buffers(remove_duplicate=False)))
         modules = tuple((name, type(m), m.training, _value_key({k: v for k, v in vars(m).items()
                                                                  if k not in _MODULE_BOOKKEEPING}, module=True))
+                        if name or root_attributes else m.training  # a GraphModule's class is its own
                         for name, m in model.named_modules(remove_duplicate=False))
-        inputs = _value_key((tuple(args), kwargs, dict(constants or {})))
+        values = _value_key(inputs), _value_key(extra), _value_key(constants or {}, module=True)
     except _Unkeyable:
         return None
     modes = (torch.is_grad_enabled(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
              torch.are_deterministic_algorithms_enabled())
-    return dynamic, modes, tensors, modules, inputs
+    return modes, tensors, modules, values
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:

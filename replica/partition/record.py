@@ -55,6 +55,7 @@ class Recorder(fx.Interpreter):
         self.outputs: dict[str, tuple[TensorInfo, ...]] = {}
         self.flops: dict[str, float] = {}
         self.kinds: dict[str, str] = {}
+        self.on_values = False  # run on real tensors: what it recorded may depend on their values
 
     def fetch_attr(self, target: str) -> Any:
         value = super().fetch_attr(target)
@@ -127,10 +128,39 @@ def record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[int
         device = torch.device("meta")
     real = device.type != "meta" and not any(
         x.device.type == "meta" or type(x).__name__ == "FakeTensor" for x in tree_leaves(inputs))
+    key = _record_key(gm, inputs, device, real)
+    kept = _RECORDS.get(key) if key is not None else None
+    if kept is not None:
+        recorder = Recorder(gm, names)
+        recorder.outputs, recorder.flops, recorder.kinds = (dict(d) for d in kept)
+        return recorder
     # a training-mode BatchNorm counts batches even on fake tensors (and, run for real,
     # updates its statistics); recording a shape must not
     with untouched(gm, written_parameters(gm)):
-        return _run_recorder(gm, inputs, names, device, real)
+        recorder = _run_recorder(gm, inputs, names, device, real)
+    if key is not None and not recorder.on_values:
+        _RECORDS[key] = (dict(recorder.outputs), dict(recorder.flops), dict(recorder.kinds))
+        while len(_RECORDS) > _KEPT_RECORDS:
+            del _RECORDS[next(iter(_RECORDS))]
+    return recorder
+
+
+# What fake (or meta) tensors recorded of the newest graphs of this process, by what decides it
+# (:func:`_record_key`): a model built alike again (a re-plan, every rank's or test's same model) is not
+# run again. Shapes on fake tensors depend on the code and the tensors' shapes, never on their values;
+# a graph run on real values (the fallback) is not kept.
+_RECORDS: dict[Any, tuple[dict[str, Any], dict[str, float], dict[str, str]]] = {}
+_KEPT_RECORDS = 16
+
+
+def _record_key(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.device, real: bool) -> Any:
+    """The graph's code, its modules (a leaf module runs its own code: its attributes) and weights'
+    shapes, the inputs' shapes, and the root's tensor constants by value (:func:`structure_key`)."""
+    from replica.partition.export import structure_key
+
+    constants = {k: v for k, v in vars(gm).items() if isinstance(v, torch.Tensor)}
+    structure = structure_key(gm, inputs, device.type, real, root_attributes=False, constants=constants)
+    return None if structure is None else (gm.code, structure)
 
 
 def _run_recorder(gm: fx.GraphModule, inputs: tuple[Any, ...], names: dict[int, str], device: torch.device,
@@ -152,6 +182,7 @@ def _run_recorder(gm: fx.GraphModule, inputs: tuple[Any, ...], names: dict[int, 
             if not real:
                 raise
         recorder = Recorder(gm, names)
+        recorder.on_values = True
         with torch.no_grad():
             recorder.run(*inputs)
         return recorder
