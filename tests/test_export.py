@@ -213,6 +213,12 @@ def test_the_same_model_again_is_not_exported_again_and_reads_its_own_weights(mo
         assert runs == 1
         torch.testing.assert_close(out, changed(xx), rtol=0, atol=0)
     assert _exports_of(Scaled(), x, monkeypatch)[0] == 0  # the first one is still kept
+    with monkeypatch.context() as patched:  # the class's code changed: exported again
+        patched.setattr(Scaled, "forward", lambda self, x: torch.sigmoid(self.l1(x)) if x.shape[0] else x)
+        patched_model = Scaled()
+        runs, out = _exports_of(patched_model, x, monkeypatch)
+        assert runs == 1
+        torch.testing.assert_close(out, torch.sigmoid(patched_model.l1(x)), rtol=0, atol=0)
     assert _exports_of(Scaled(), torch.randn(4, 8, 2)[..., 0], monkeypatch)[0] == 1  # other strides
     assert _exports_of(Scaled(), torch.randn(2, 8), monkeypatch)[0] == 1  # another input shape
     assert len(exporting._EXPORTS) <= exporting._KEPT_EXPORTS

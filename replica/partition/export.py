@@ -219,8 +219,9 @@ def _export_key(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
 def structure_key(model: torch.nn.Module, inputs: Any, *extra: Any, root_attributes: bool = True,
                   constants: dict[str, torch.Tensor] | None = None) -> Any:
     """What decides how ``model`` traces and what shapes its ops make: each module's class, mode and
-    attributes (a config's values, a flag, a hook, a plain tensor attribute's contents: a trace bakes
-    those in; the root's own left out with ``root_attributes=False``), each weight's name, shape,
+    forward (a class patched in between is another), attributes (a config's values, a flag, a hook,
+    a plain tensor attribute's contents: a trace bakes those in; the root's own left out with
+    ``root_attributes=False``), each weight's name, shape,
     dtype, strides, device, kind and aliases (not its values: they are graph inputs), the
     ``inputs``' shapes, dtypes, strides and devices (their non-tensor values by value), ``extra``,
     the tensors in ``constants`` by value, and torch's global modes. None where some attribute
@@ -233,10 +234,11 @@ def structure_key(model: torch.nn.Module, inputs: Any, *extra: Any, root_attribu
              aliases.setdefault(id(t), len(aliases)))
             for name, t in (*model.named_parameters(remove_duplicate=False),
                             *model.named_buffers(remove_duplicate=False)))
-        modules = tuple((name, type(m), m.training, _value_key({k: v for k, v in vars(m).items()
-                                                                 if k not in _MODULE_BOOKKEEPING}, module=True))
-                        if name or root_attributes else m.training  # a GraphModule's class is its own
-                        for name, m in model.named_modules(remove_duplicate=False))
+        modules = tuple(
+            (name, type(m), type(m).forward, m.training,
+             _value_key({k: v for k, v in vars(m).items() if k not in _MODULE_BOOKKEEPING}, module=True))
+            if name or root_attributes else m.training  # a GraphModule's class is its own
+            for name, m in model.named_modules(remove_duplicate=False))
         values = _value_key(inputs), _value_key(extra), _value_key(constants or {}, module=True)
     except _Unkeyable:
         return None
