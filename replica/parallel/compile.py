@@ -32,7 +32,6 @@ last stage's output unflattening) stay outside the compiled code.
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -76,18 +75,10 @@ class CompiledStage:
         return self._compiled(*args)
 
 
-@functools.cache
-def _deferred() -> dict[Callable[..., Any], Callable[..., Any]]:
-    """The deferrable linears, opaque to dynamo: they run eagerly, their backward reading the sink when
-    it runs. Built at the first compile: importing torch._dynamo costs 1.3 s, which ``import replica``
-    (and every rank that never compiles) does not pay."""
-    return {f: torch._dynamo.disable(f) for f in (weightgrad.linear, weightgrad.addmm)}
-
-
-@functools.cache
-def _opaque() -> dict[Callable[..., Any], Callable[..., Any]]:
-    """A tensor-parallel split reads its DTensor's placement (dynamo cannot trace _StridedShard's properties)."""
-    return {tensor_parallel.split: torch._dynamo.disable(tensor_parallel.split)}
+# the deferrable linears, opaque to dynamo: they run eagerly, their backward reading the sink when it runs
+_DEFERRED = {f: torch._dynamo.disable(f) for f in (weightgrad.linear, weightgrad.addmm)}
+# a tensor-parallel split reads its DTensor's placement (dynamo cannot trace _StridedShard's properties)
+_OPAQUE = {tensor_parallel.split: torch._dynamo.disable(tensor_parallel.split)}
 
 
 def _keep_eager(module: fx.GraphModule, twins: dict[Callable[..., Any], Callable[..., Any]]) -> int:
@@ -111,7 +102,7 @@ def _compile_regions(module: fx.GraphModule, backend: str) -> int:
         region = getattr(n.target, CHECKPOINTED, None) if n.op == "call_function" else None
         if region is None:
             continue
-        _keep_eager(region, _opaque())
+        _keep_eager(region, _OPAQUE)
         _compile_forward(region, backend, 0)
         eager = torch._dynamo.disable(n.target)
         setattr(eager, CHECKPOINTED, region)  # FSDP2 finds the region's modules by it
@@ -148,8 +139,8 @@ def compile_stage(module: fx.GraphModule, *, deferring: bool = False, backend: s
     ``deferring``: its linears defer weight gradients (a zero-bubble schedule's W actions), kept
     eager. ``backend`` None: :func:`compile_backend`'s."""
     backend = backend or _backend.get()
-    eager = _keep_eager(module, _deferred()) if deferring else 0
-    _keep_eager(module, _opaque())
+    eager = _keep_eager(module, _DEFERRED) if deferring else 0
+    _keep_eager(module, _OPAQUE)
     _compile_regions(module, backend)
     return _compile_forward(module, backend, eager)
 
