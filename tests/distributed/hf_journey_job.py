@@ -65,8 +65,10 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     trainer.train_dataset(*batch(), epochs=1, on_step_end=die)
-    print(f"rank {os.environ['RANK']} ended at step {trainer.step}, resumed from "
-          f"{None if trainer.resumed_from is None else trainer.resumed_from.name}", flush=True)
+    # one write, the newline in it: two ranks' print()s (text, then newline) interleave on the shared pipe
+    sys.stdout.flush()
+    os.write(1, f"rank {os.environ['RANK']} ended at step {trainer.step}, resumed from "
+                f"{None if trainer.resumed_from is None else trainer.resumed_from.name}\n".encode())
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def test_a_hugging_face_llama_from_save_pretrained_trains_resumes_and_exports(tm
     losses = re.findall(r"^step (\d) \(epoch 1/1\): loss ([\d.]+)", log, re.M)
     assert [s for s, _ in losses] == ["1", "2", "3", "3", "4"], losses
     assert losses[2][1] == losses[3][1], losses
-    ended = sorted(re.findall(r"^rank \d ended at step 4, resumed from step-00000002$", log, re.M))
+    # (not anchored: torchrun's own lines may still meet a rank's on the shared pipe)
+    ended = sorted(re.findall(r"rank \d ended at step 4, resumed from step-00000002", log))
     assert ended == [f"rank {r} ended at step 4, resumed from step-00000002" for r in range(2)], log[-4000:]
 
     exported = subprocess.run([sys.executable, "-m", "replica.cli", "export", str(tmp_path / "checkpoints"),
