@@ -195,7 +195,7 @@ def _exports_of(model: nn.Module, x: torch.Tensor, monkeypatch: pytest.MonkeyPat
 def test_the_same_model_again_is_not_exported_again_and_reads_its_own_weights(monkeypatch):
     from replica.partition import export as exporting
 
-    monkeypatch.setattr(exporting, "_EXPORTS", {})
+    monkeypatch.setattr(exporting, "_EXPORTS", exporting.Kept(8))
     x = torch.randn(4, 8)
     torch.manual_seed(0)
     first = Scaled()
@@ -221,14 +221,52 @@ def test_the_same_model_again_is_not_exported_again_and_reads_its_own_weights(mo
         torch.testing.assert_close(out, torch.sigmoid(patched_model.l1(x)), rtol=0, atol=0)
     assert _exports_of(Scaled(), torch.randn(4, 8, 2)[..., 0], monkeypatch)[0] == 1  # other strides
     assert _exports_of(Scaled(), torch.randn(2, 8), monkeypatch)[0] == 1  # another input shape
-    assert len(exporting._EXPORTS) <= exporting._KEPT_EXPORTS
+    assert len(exporting._EXPORTS) <= exporting._EXPORTS.size
 
 
 def test_an_attribute_of_an_unknown_kind_is_exported_every_time(monkeypatch):
     from replica.partition import export as exporting
 
-    monkeypatch.setattr(exporting, "_EXPORTS", {})
+    monkeypatch.setattr(exporting, "_EXPORTS", exporting.Kept(8))
     model = Scaled()
     model.helper = object()  # what it does to the code cannot be told by its value
     assert [_exports_of(model, torch.randn(4, 8), monkeypatch)[0] for _ in range(2)] == [1, 1]
-    assert exporting._EXPORTS == {}
+    assert len(exporting._EXPORTS) == 0
+
+
+def test_a_model_built_alike_trains_from_the_kept_trace_to_the_plain_gradients(monkeypatch):
+    """The second model of each pair is planned from the kept export (ShapeBranch: tied, export's path)
+    or the kept shapes (tiny GPT: fx's path); every gradient is the plain model's."""
+    from replica.partition import export as exporting
+    from replica.partition import record as recording
+    from tests import models
+
+    monkeypatch.setattr(exporting, "_EXPORTS", exporting.Kept(8))
+    monkeypatch.setattr(recording, "_RECORDS", recording.Kept(16))
+    exports, records = [], []
+    real_export, real_record = exporting._export, recording._run_recorder
+    monkeypatch.setattr(exporting, "_export", lambda *a: exports.append(1) or real_export(*a))
+    monkeypatch.setattr(recording, "_run_recorder", lambda *a: records.append(1) or real_record(*a))
+    ids, target = batch()
+
+    def gpt() -> tuple[nn.Module, tuple, torch.Tensor, object]:
+        model, inputs, tgt, loss_fn = models.tiny_gpt(8)[:4]
+        return model, inputs, tgt, loss_fn
+
+    def branch() -> tuple[nn.Module, tuple, torch.Tensor, object]:
+        return ShapeBranch(), (ids,), target, dict_loss
+
+    for build in (branch, gpt):
+        for seed in (0, 1):  # the second: other weights, the trace kept from the first
+            torch.manual_seed(seed)
+            model, inputs, tgt, loss_fn = build()
+            plain = copy.deepcopy(model)
+            pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, num_stages=2, num_microbatches=2,
+                                       device=COMPUTE_BOUND)
+            pm.train_step(inputs, tgt)
+            loss_fn(plain(*inputs), tgt).backward()
+            want = dict(plain.named_parameters())
+            for name, p in pm.named_parameters():
+                torch.testing.assert_close(p.grad, want[name].grad, msg=lambda m: f"{build.__name__} {name}: {m}")
+    assert len(exports) == 1  # ShapeBranch exported once
+    assert len(records) == 2  # once per pair

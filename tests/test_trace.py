@@ -530,7 +530,7 @@ class _ValueBranch(nn.Module):
 def test_a_model_built_alike_is_recorded_once_and_alike(monkeypatch):
     from replica.partition import record as recording
 
-    monkeypatch.setattr(recording, "_RECORDS", {})
+    monkeypatch.setattr(recording, "_RECORDS", recording.Kept(16))
     runs = []
     real = recording._run_recorder
     monkeypatch.setattr(recording, "_run_recorder", lambda *a: runs.append(1) or real(*a))
@@ -547,13 +547,13 @@ def test_a_model_built_alike_is_recorded_once_and_alike(monkeypatch):
         on_meta = models.tiny_gpt(8)[0]
     trace(on_meta, (torch.randint(0, 10, models.tiny_gpt(8)[1][0].shape, device="meta"),))
     assert len(runs) == 3  # meta weights: another device, recorded again
-    assert recording._RECORDS and len(recording._RECORDS) <= recording._KEPT_RECORDS
+    assert 0 < len(recording._RECORDS) <= recording._RECORDS.size
 
 
 def test_a_graph_run_on_real_values_is_recorded_every_time(monkeypatch):
     from replica.partition import record as recording
 
-    monkeypatch.setattr(recording, "_RECORDS", {})
+    monkeypatch.setattr(recording, "_RECORDS", recording.Kept(16))
     for _ in range(2):
         traced = trace(_ValueBranch(), (torch.randn(3, 4),))
-    assert recording._RECORDS == {} and traced.graph.nodes
+    assert len(recording._RECORDS) == 0 and traced.graph.nodes

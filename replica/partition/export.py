@@ -19,7 +19,8 @@ from torch.utils._pytree import TreeSpec, tree_leaves, tree_map, tree_unflatten
 from replica.errors import ConfigError
 from replica.partition.inputs import InputSpec
 
-__all__ = ["export_graph_module", "ExportedInputs", "DYNAMIC", "is_dtype_assert", "drop_dtype_asserts"]
+__all__ = ["export_graph_module", "ExportedInputs", "DYNAMIC", "is_dtype_assert", "drop_dtype_asserts", "structure_key",
+           "Kept"]
 
 
 class ExportedInputs(InputSpec):
@@ -122,13 +123,9 @@ def export_graph_module(model: torch.nn.Module, args: tuple[Any, ...], kwargs: d
         raise ValueError(f"dynamic must be one of {DYNAMIC}, got {dynamic!r}")
     kwargs = dict(kwargs or {})
     key = _export_key(model, args, kwargs, constants, dynamic)
-    ep = _EXPORTS.pop(key, None) if key is not None else None
+    ep = _EXPORTS.get(key)
     if ep is None:
-        ep = _export(model, args, kwargs, constants, dynamic)
-    if key is not None:  # the newest last: the oldest goes first
-        _EXPORTS[key] = ep
-        while len(_EXPORTS) > _KEPT_EXPORTS:
-            del _EXPORTS[next(iter(_EXPORTS))]
+        ep = _EXPORTS.put(key, _export(model, args, kwargs, constants, dynamic))
     if ep.mutated:
         raise RuntimeError(
             f"the model writes into buffers {ep.mutated[:4]} while it runs (a "
@@ -199,8 +196,32 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 # The newest exports of this process by what decides them (:func:`_export_key`): planning the same model
 # again (plan, then auto_parallel; the tuner; every case a test builds alike) does not export it again.
 # torch.export takes 1-4 CPU-seconds for a 2-layer Hugging Face model, minutes for a large one.
-_EXPORTS: dict[Any, _Exported] = {}
-_KEPT_EXPORTS = 8
+class Kept:
+    """The ``size`` newest values by key, the least recently read dropped first; a None key keeps nothing
+    (:func:`structure_key`'s answer where it cannot tell two models apart)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._values: dict[Any, Any] = {}
+
+    def get(self, key: Any) -> Any:
+        value = self._values.pop(key, None) if key is not None else None
+        if value is not None:
+            self._values[key] = value  # read: the newest again
+        return value
+
+    def put(self, key: Any, value: Any) -> Any:
+        if key is not None:
+            self._values[key] = value
+            while len(self._values) > self.size:
+                del self._values[next(iter(self._values))]
+        return value
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+_EXPORTS = Kept(8)
 
 
 class _Unkeyable(Exception):

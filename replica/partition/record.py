@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from replica.errors import TraceError
+from replica.partition.export import Kept, structure_key
 from replica.partition.graph import TensorInfo
 from replica.partition.pure import untouched, written_parameters
 
@@ -129,7 +130,7 @@ def record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[int
     real = device.type != "meta" and not any(
         x.device.type == "meta" or type(x).__name__ == "FakeTensor" for x in tree_leaves(inputs))
     key = _record_key(gm, inputs, device, real)
-    kept = _RECORDS.get(key) if key is not None else None
+    kept = _RECORDS.get(key)
     if kept is not None:
         recorder = Recorder(gm, names)
         recorder.outputs, recorder.flops, recorder.kinds = (dict(d) for d in kept)
@@ -138,10 +139,8 @@ def record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[int
     # updates its statistics); recording a shape must not
     with untouched(gm, written_parameters(gm)):
         recorder = _run_recorder(gm, inputs, names, device, real)
-    if key is not None and not recorder.on_values:
-        _RECORDS[key] = (dict(recorder.outputs), dict(recorder.flops), dict(recorder.kinds))
-        while len(_RECORDS) > _KEPT_RECORDS:
-            del _RECORDS[next(iter(_RECORDS))]
+    if not recorder.on_values:
+        _RECORDS.put(key, (dict(recorder.outputs), dict(recorder.flops), dict(recorder.kinds)))
     return recorder
 
 
@@ -149,15 +148,12 @@ def record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], names: dict[int
 # (:func:`_record_key`): a model built alike again (a re-plan, every rank's or test's same model) is not
 # run again. Shapes on fake tensors depend on the code and the tensors' shapes, never on their values;
 # a graph run on real values (the fallback) is not kept.
-_RECORDS: dict[Any, tuple[dict[str, Any], dict[str, float], dict[str, str]]] = {}
-_KEPT_RECORDS = 16
+_RECORDS = Kept(16)  # (outputs, flops, kinds) by _record_key
 
 
 def _record_key(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.device, real: bool) -> Any:
     """The graph's code, its modules (a leaf module runs its own code: its attributes) and weights'
     shapes, the inputs' shapes, and the root's tensor constants by value (:func:`structure_key`)."""
-    from replica.partition.export import structure_key
-
     constants = {k: v for k, v in vars(gm).items() if isinstance(v, torch.Tensor)}
     structure = structure_key(gm, inputs, device.type, real, root_attributes=False, constants=constants)
     return None if structure is None else (gm.code, structure)
