@@ -44,6 +44,11 @@ from replica.precision import ambient_autocast
 
 __all__ = ["shard_stage_tensors", "match_grad_placements", "split"]
 
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # older torch: a fused projection cut whole; DTensor then gathers at the split (exact, slower)
+    _StridedShard = None  # type: ignore[assignment,misc]
+
 _IN, _IN_CAST, _OUT = "_replica_tp_in", "_replica_tp_in_cast", "_replica_tp_out"
 
 
@@ -128,34 +133,35 @@ class ToPlain(torch.nn.Module):
         return tree_map(unwrap, x)
 
 
+def _strided(dim: int, parts: int) -> Any:
+    """Each rank's share of every one of ``parts`` parts along ``dim`` (``_StridedShard``:
+    Megatron's layout of a fused q/k/v weight); None where torch has no such placement."""
+    return None if _StridedShard is None else _StridedShard(dim, split_factor=parts)
+
+
 def _placement(dim: int, parts: int) -> Any:
-    """``Shard(dim)``; for a fused projection of ``parts`` parts, each rank's share of every
-    part (``_StridedShard``: Megatron's layout of a fused q/k/v weight), where torch has it."""
-    dt = _dtensor()
-    if parts > 1:
-        try:
-            from torch.distributed.tensor.placement_types import _StridedShard
-            return _StridedShard(dim, split_factor=parts)
-        except ImportError:  # older torch: cut whole; DTensor then gathers at the split (exact, slower)
-            pass
-    return dt.Shard(dim)
+    """``Shard(dim)``; for a fused projection of ``parts`` parts, :func:`_strided`'s, where torch has it."""
+    strided = _strided(dim, parts) if parts > 1 else None
+    return _dtensor().Shard(dim) if strided is None else strided
 
 
 def split(x: Any, split_size: Any, dim: int = 0) -> Any:
     """``torch.split`` of a block's value; a fused projection's output held part by part
     (``_StridedShard`` along ``dim``) split in as many equal parts gives each rank its share of
-    each part, ``Shard(dim)``, without a message (DTensor's own split would gather it whole)."""
+    each part, ``Shard(dim)``, without a message (DTensor's own split would gather it whole).
+    The placement is compared whole, not read field by field: dynamo traces the comparison
+    (a compiled stage keeps its split in the graph) but not ``_StridedShard.split_factor``."""
     dt = _dtensor()
     if isinstance(x, dt.DTensor) and len(x.placements) == 1:
-        p, nd = x.placements[0], x.dim()
-        parts = getattr(p, "split_factor", 0)
-        if parts and p.is_shard() and p.dim % nd == dim % nd:
-            size = x.shape[dim]
-            sections = [split_size] * (size // split_size) if isinstance(split_size, int) else list(split_size)
-            if len(sections) == parts and len(set(sections)) == 1 and sum(sections) == size:
-                pieces = x.to_local().chunk(parts, dim)
-                return tuple(dt.DTensor.from_local(piece, x.device_mesh, [dt.Shard(dim % nd)], run_check=False)
-                             for piece in pieces)
+        nd = x.dim()
+        size = x.shape[dim]
+        sections = [split_size] * (size // split_size) if isinstance(split_size, int) else list(split_size)
+        parts = len(sections)
+        strided = _strided(dim % nd, parts) if parts > 1 and len(set(sections)) == 1 and sum(sections) == size else None
+        if strided is not None and x.placements[0] == strided:
+            pieces = x.to_local().chunk(parts, dim)
+            return tuple(dt.DTensor.from_local(piece, x.device_mesh, [dt.Shard(dim % nd)], run_check=False)
+                         for piece in pieces)
     return torch.split(x, split_size, dim)
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import replica
+from replica.parallel.compile import compile_backend
 from replica.parallel.fsdp import local_tensor
 from tests import models
 from tests.conftest import COMPUTE_BOUND
@@ -94,8 +95,9 @@ def _check(name: str, precision: str | None, layout: dict) -> dict:
     with the plain model's, count what it holds, take an Adam step."""
     model, inputs, target, loss_fn, extra = CASES[name]()
     plain = copy.deepcopy(model)
-    pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S,
-                               mixed_precision=precision, **layout, **extra)
+    with compile_backend("aot_eager"):  # where the layout compiles: the same graphs without inductor's C++ build
+        pm = replica.auto_parallel(model, inputs, loss_fn=loss_fn, device=COMPUTE_BOUND, timeout_s=STEP_TIMEOUT_S,
+                                   mixed_precision=precision, **layout, **extra)
     kwargs = extra.get("example_kwargs", {})
     with CollectiveCounter() as counts:  # what DTensor sends: the blocks' borders only, no weight gathered
         loss = pm.train_step(inputs, target, **kwargs)
@@ -138,7 +140,36 @@ def _check(name: str, precision: str | None, layout: dict) -> dict:
 
 
 def tp_job(rank: int, world: int, runs: tuple[tuple[str, str | None, dict], ...]) -> bytes:
-    return _portable([_check(name, precision, layout) for name, precision, layout in runs])
+    return _portable([_check(name, precision, layout) for name, precision, layout in runs] + [_strided_split(world)])
+
+
+def _strided_split(world: int) -> list[str]:
+    """A fused q/k/v output held part by part (``_StridedShard``, as the plan cuts it), split in its
+    three parts by Replica's split: each part's placement (``Shard``: each rank its heads of each
+    part, no message; torch's own split would gather it whole, ``Replicate``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from replica.parallel.tensor_parallel import _placement, _strided, split
+
+    mesh = init_device_mesh("cpu", (world,))
+    whole = torch.arange(2 * 3 * 4 * world, dtype=torch.float32).reshape(2, 3 * 4 * world)
+    fused = distribute_tensor(whole, mesh, [_placement(1, 3)], src_data_rank=None)
+    assert _strided(1, 3) is not None and fused.placements == (_strided(1, 3),)
+    parts = split(fused, 4 * world, 1)
+    torch.testing.assert_close(torch.cat([p.full_tensor() for p in parts], 1), whole, rtol=0, atol=0)
+    return [type(p.placements[0]).__name__ + f"({p.placements[0].dim})" for p in parts]
+
+
+def _tp_run(world: int, runs: tuple[tuple[str, str | None, dict], ...]) -> list[list[dict]]:
+    """Each rank's reports of ``runs``, after checking its fused q/k/v split: each rank its share of
+    each part (torch 2.13's ``is_shard()`` is False for ``_StridedShard``: until the split stopped
+    asking it, every rank gathered q, k and v whole and computed every head)."""
+    reports = _run(tp_job, world, runs)
+    for r in reports:
+        got = r.pop()
+        assert got == ["Shard(1)"] * 3, got
+    return reports
 
 
 def _assert_cut(reports: list[list[dict]]) -> None:
@@ -153,7 +184,7 @@ def test_tensor_parallel_alone_on_two_ranks() -> None:
     one = dict(tensor_parallel_size=2, num_stages=1, num_microbatches=2, schedule="1f1b")
     runs = (("gpt", None, one), ("gpt2", None, one), ("llama", None, one), ("unshardable", None, one),
             ("example", None, one))
-    reports = _run(tp_job, 2, runs)
+    reports = _tp_run(2, runs)
     _assert_cut(reports)
     by_case = {r["case"]: r for r in reports[0]}
     assert by_case["llama"]["blocks"].count("attention") == 2, by_case["llama"]  # q/k/v by (kv) heads
@@ -180,7 +211,7 @@ def test_tensor_by_pipeline_and_by_data_parallel_on_four_ranks() -> None:
     runs = (("gpt", None, pp("1f1b")), ("gpt", None, {**pp("zb-h1"), "recompute": True}),
             ("llama", "bf16", pp("zb-h1")), ("gpt2", None, pp("1f1b")), ("gpt", None, dp),
             ("llama", None, {**pp("interleaved", 4), "num_microbatches": 4}))
-    _assert_cut(_run(tp_job, 4, runs))
+    _assert_cut(_tp_run(4, runs))
 
 
 def test_tensor_parallel_needs_processes_and_a_divisor() -> None:
