@@ -10,13 +10,16 @@ step the same batch:
 - ``torch-eager`` / ``torch-compiled``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` on
   the two halves a user writes by hand (benchmarks/pipeline_vs_torch.py: embeddings + blocks 0-1
   | blocks 2-3 + norm + head), compiled by hand with ``module.compile()`` (inductor);
-- ``replica-auto-compiled`` (``--auto``): no hint but ``compile=True``, the tuner's layout.
+- ``replica-auto-compiled`` (``--auto``): no hint but ``compile=True``, the tuner's layout;
+- ``replica-tp-eager`` / ``replica-tp-compiled`` (``--tp``): one stage cut over both ranks
+  (``tensor_parallel_size=2``), 4 micro-batches, eager and compiled (DTensor traced, static
+  shapes); beside them the planner's predicted compiled/eager step ratio for this machine.
 
 Compile seconds: torch's own account (dynamo + AOTAutograd + inductor, forward and backward) over
 each mode's warm-up step, the slower rank's. Inductor caches its compiled graphs on disk
 (``/tmp/torchinductor_$USER``): a second run of this script starts from that cache. Recompiles:
 graphs dynamo compiled after the warm-up (0: none). Usage: ``python benchmarks/compile.py
-[--rounds 5] [--steps 3] [--auto]``.
+[--rounds 5] [--steps 3] [--auto] [--tp]``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def torch_pipeline(rank: int, model: GPT, compiled: bool):
     return module, Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
 
 
-def compare(rank: int, world: int, rounds: int, steps: int, auto: bool) -> dict:
+def compare(rank: int, world: int, rounds: int, steps: int, auto: bool, tp: bool = False) -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig())
     x = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
@@ -64,12 +67,17 @@ def compare(rank: int, world: int, rounds: int, steps: int, auto: bool) -> dict:
         module, sched = torch_pipeline(rank, copy.deepcopy(model), compiled)
         modes[f"torch-{'compiled' if compiled else 'eager'}"] = \
             lambda m=module, s=sched: torch_step(rank, m, s, x, y)
+    cut = dict(num_stages=1, tensor_parallel_size=2, num_microbatches=MICROBATCHES, schedule="1f1b")
+    predicted = {}
     for name, hints in (("replica-eager", dict(compile=False)), ("replica-compiled", dict(compile=True)),
-                        *((("replica-auto-compiled", {"compile": True}),) if auto else ())):
-        if "auto" not in name:
+                        *((("replica-auto-compiled", {"compile": True}),) if auto else ()),
+                        *((("replica-tp-eager", dict(cut, compile=False)),
+                           ("replica-tp-compiled", dict(cut, compile=True))) if tp else ())):
+        if "auto" not in name and "tp" not in name:
             hints = dict(hints, num_stages=2, num_microbatches=MICROBATCHES, schedule="1f1b")
         pm = replica.auto_parallel(copy.deepcopy(model), (x,), loss_fn=loss_fn, **hints)
         summaries[name] = pm.plan.summary()
+        predicted[name] = pm.plan.predicted_step_time_s
         modes[name] = lambda pm=pm: (pm.zero_grad(), pm.train_step(x, y))
     compile_s, graphs = {}, {}
     for name, fn in modes.items():  # warm up every path: its compile happens here
@@ -83,7 +91,7 @@ def compare(rank: int, world: int, rounds: int, steps: int, auto: bool) -> dict:
         for name in order[r % len(order):] + order[:r % len(order)]:
             times[name].append(timed(modes[name], steps)[0])
     return {"times": times, "compile_s": compile_s, "graphs": graphs, "recompiles": recompiles() - warm,
-            "summaries": summaries}
+            "summaries": summaries, "predicted": predicted}
 
 
 def ratio_cell(num: list[float], den: list[float]) -> str:
@@ -128,8 +136,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--auto", action="store_true", help="also the tuner's layout, compiled")
+    parser.add_argument("--tp", action="store_true", help="also one stage cut over both ranks, eager and compiled")
     args = parser.parse_args()
-    results = run_local(compare, 2, args.rounds, args.steps, args.auto, timeout_s=3000, keep_freed_memory=True)
+    results = run_local(compare, 2, args.rounds, args.steps, args.auto, args.tp, timeout_s=3000,
+                        keep_freed_memory=True)
     times = results[0]["times"]
     for name, summary in results[0]["summaries"].items():
         print(f"--- {name}\n{summary}")
@@ -145,6 +155,11 @@ def main() -> None:
         print(f"{name:<{w}}{statistics.median(ts):>9.3f}{format_seconds(compile_s):>11}{str(graphs):>9}  "
               f"{ratio_cell(ts, times['replica-eager']):<36}{ratio_cell(times['torch-compiled'], ts):<36}")
     print(f"recompiles after the warm-up [rank 0, rank 1]: {[r['recompiles'] for r in results]}")
+    if args.tp:
+        p = results[0]["predicted"]
+        measured = ratio_cell(times["replica-tp-compiled"], times["replica-tp-eager"])
+        print(f"tensor parallel: compiled / eager step, measured {measured}, "
+              f"predicted {p['replica-tp-compiled'] / p['replica-tp-eager']:.3f}")
     predicted_gains()
     titan_gains()
 

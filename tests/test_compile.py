@@ -131,9 +131,15 @@ def test_compile_none_on_a_gpu_takes_the_faster_of_the_same_layout_compiled_and_
         assert f"compile=None on h100-80gb: {'on' if chosen.compile else 'off'}" in chosen.summary()
         choices.append(chosen.compile)
     assert choices == [True, False, False]
-    tensor_parallel = replica.plan(gpt, (x,), world_size=4, tensor_parallel_size=2, num_stages=2, device="h100-80gb")
-    assert not tensor_parallel.compile  # its stages would run eagerly: nothing to gain
-    assert "every stage holds tensor-parallel blocks, which run eagerly" in tensor_parallel.summary()
+    # tensor-parallel stages compile too (static shapes): their chains fuse and DTensor's dispatch is
+    # paid once, when traced, so the same rule holds
+    world = dict(world_size=2, tensor_parallel_size=2, num_stages=1, schedule="1f1b", num_microbatches=8,
+                 device="h100-80gb")
+    steps = {c: replica.plan(gpt, (x,), compile=c, **world).predicted_step_time_s for c in (False, True)}
+    tensor_parallel = replica.plan(gpt, (x,), **world)
+    assert steps[False] / steps[True] > 1.01 and tensor_parallel.compile, steps
+    assert tensor_parallel.predicted_step_time_s == pytest.approx(steps[True], rel=1e-9)
+    assert "stages [0] compile each micro-batch size once (static shapes" in tensor_parallel.summary()
 
 
 def test_compiled_plans_price_pointwise_chains_as_one_pass() -> None:

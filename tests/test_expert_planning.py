@@ -132,16 +132,27 @@ def test_experts_that_fit_only_spread_are_placed_when_the_size_is_given() -> Non
         _plan(model, ids, 2, num_stages=1, expert_parallel_size=1, memory_budget=budget)
 
 
-def test_compiled_plans_keep_expert_parallel_stages_eager_and_say_so() -> None:
+def test_compiled_plans_run_expert_parallel_layers_eagerly_and_price_them_so() -> None:
+    """The stage compiles; each expert-parallel layer runs eagerly between its graphs (its
+    all-to-all's sizes are the routing's), so its pointwise ops are priced unfused."""
     from replica.parallel.compile import runs_eagerly
+    from replica.partition.partitioner import MemoryModel
+    from replica.partition.trace import trace
+    from replica.planner.pricing import Pricing
 
     model, ids = _plain()
     plan = _plan(model, ids, 2, num_stages=1, expert_parallel_size=2, compile=True)
-    assert plan.expert_parallel_stages == (0,)
-    assert "all-to-all" in runs_eagerly(plan, 0)
-    assert "stages [0] run eagerly: their all-to-all dispatch" in plan.compile_line
+    assert plan.expert_parallel_stages == (0,) and runs_eagerly(plan, 0) == ""
+    assert "stages [0] run each expert-parallel layer eagerly between compiled graphs" in plan.compile_line
     whole = _plan(model, ids, 2, num_stages=1, expert_parallel_size=1, compile=True)
-    assert whole.expert_parallel_stages == () and runs_eagerly(whole, 0) == ""
+    assert whole.expert_parallel_stages == () and "expert-parallel" not in whole.compile_line
+    pricing = Pricing(trace(model, (ids,)), model, device=COMPUTE_BOUND, cost="analytic", memory_budget=None,
+                      memory_model=MemoryModel(), num_microbatches=None, num_stages_hint=1, compile=True)
+    inside = {n for b in pricing.experts for n in b.nodes}
+    fused = pricing.cost_model(pricing.spec, 1.0).fused
+    assert fused & inside  # the experts' own pointwise chain, fused where they run in the graph
+    assert not pricing.cost_model(pricing.spec, 1.0, expert_parallel_size=2).fused & inside
+    assert pricing.cost_model(pricing.spec, 1.0, expert_parallel_size=2).fused == fused - inside
 
 
 # --- expert parallelism inside the tuner's search (#41) ------------------------------------------------------------

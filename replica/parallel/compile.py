@@ -22,10 +22,16 @@ last stage's output unflattening) stay outside the compiled code.
   per-block units hook the leaf modules the stage graph calls (:mod:`replica.parallel.fsdp`), so
   dynamo runs those hooks eagerly and the graph breaks at each unit (17 graphs for the example
   GPT's one zero3 stage, benchmarks/compile.py). Gradients are exact either way.
-- **Tensor parallelism.** A stage holding tensor-parallel blocks runs eagerly (:func:`runs_eagerly`):
-  dynamo does not trace the strided DTensor shards of a fused q/k/v projection here (torch 2.13:
-  a ``_StridedShard``'s properties, then a redistribute on real tensors inside fake tracing).
-  Replica's split of such an output is kept out of any graph all the same.
+- **Tensor parallelism.** A stage holding tensor-parallel blocks compiles with DTensor traced
+  (the compiled graph holds the local ops and functional collectives DTensor dispatched to, once),
+  Replica's split of a fused q/k/v output included (:func:`replica.parallel.tensor_parallel.split`
+  compares placements whole, which dynamo traces). Its shapes are static (``static``): one graph
+  per micro-batch size, compiled in the warm-up. A symbolic batch fails in DTensor's view rules
+  (torch 2.13: a matmul flattening the batch with the heads cut over the group asks for a
+  ``_StridedShard`` of symbolic split factor).
+- **Expert parallelism.** Each expert-parallel layer (:class:`replica.parallel.experts.ExpertParallel`)
+  runs eagerly between compiled graphs: its all-to-all's sizes are the routing's, read as Python
+  ints (a graph per routing otherwise). The router before it and the ops after it compile.
 - **Backend.** ``"inductor"`` unless :func:`compile_backend` names another for the stages made
   inside it (the tests use ``"aot_eager"``: inductor's C++ build costs seconds per graph on a CPU).
 """
@@ -38,7 +44,6 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-from replica.parallel import tensor_parallel
 from replica.partition.plan import Plan
 from replica.scoped import Scoped
 from replica.stage import weightgrad
@@ -61,24 +66,26 @@ def compile_backend(name: str) -> Iterator[None]:
 
 class CompiledStage:
     """A stage's compiled forward: the batch dimension of every tensor input marked dynamic,
-    then the compiled graph. ``eager_linears``: the deferred linears left out of the graph."""
+    then the compiled graph. ``eager_linears``: the deferred linears left out of the graph.
+    ``static``: every shape compiled as it is, one graph per micro-batch size (a tensor-parallel
+    stage: see the module's docstring)."""
 
-    def __init__(self, forward: Callable[..., Any], backend: str, eager_linears: int) -> None:
+    def __init__(self, forward: Callable[..., Any], backend: str, eager_linears: int, static: bool = False) -> None:
         self.backend = backend
         self.eager_linears = eager_linears
-        self._compiled = torch.compile(forward, backend=backend, dynamic=None)
+        self.static = static
+        self._compiled = torch.compile(forward, backend=backend, dynamic=False if static else None)
 
     def __call__(self, *args: Any) -> Any:
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() > 0:
-                torch._dynamo.maybe_mark_dynamic(a, 0)
+        if not self.static:
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dim() > 0:
+                    torch._dynamo.maybe_mark_dynamic(a, 0)
         return self._compiled(*args)
 
 
 # the deferrable linears, opaque to dynamo: they run eagerly, their backward reading the sink when it runs
 _DEFERRED = {f: torch._dynamo.disable(f) for f in (weightgrad.linear, weightgrad.addmm)}
-# a tensor-parallel split reads its DTensor's placement (dynamo cannot trace _StridedShard's properties)
-_OPAQUE = {tensor_parallel.split: torch._dynamo.disable(tensor_parallel.split)}
 
 
 def _keep_eager(module: fx.GraphModule, twins: dict[Callable[..., Any], Callable[..., Any]]) -> int:
@@ -93,7 +100,22 @@ def _keep_eager(module: fx.GraphModule, twins: dict[Callable[..., Any], Callable
     return count
 
 
-def _compile_regions(module: fx.GraphModule, backend: str) -> int:
+def _keep_experts_eager(module: fx.GraphModule) -> int:
+    """Point each expert-parallel layer ``module`` calls at a dynamo-disabled forward (its
+    all-to-all's sizes are the routing's, read as Python ints); how many. The graph breaks
+    around each: the router before it and everything after it compile."""
+    from replica.parallel.experts import ExpertParallel
+
+    count = 0
+    for n in module.graph.nodes:
+        layer = module.get_submodule(str(n.target)) if n.op == "call_module" else None
+        if isinstance(layer, ExpertParallel) and not getattr(layer.forward, "_torchdynamo_disable", False):
+            layer.forward = torch._dynamo.disable(layer.forward)  # an instance attribute: the class stays
+            count += 1
+    return count
+
+
+def _compile_regions(module: fx.GraphModule, backend: str, static: bool) -> int:
     """Compile each checkpointed block's region of ``module`` by itself, its
     ``torch.utils.checkpoint`` call left eager around it (dynamo takes only a selective policy's
     ``context_fn``, not the batch norms' recompute context every region carries); how many."""
@@ -102,8 +124,8 @@ def _compile_regions(module: fx.GraphModule, backend: str) -> int:
         region = getattr(n.target, CHECKPOINTED, None) if n.op == "call_function" else None
         if region is None:
             continue
-        _keep_eager(region, _OPAQUE)
-        _compile_forward(region, backend, 0)
+        _keep_experts_eager(region)
+        _compile_forward(region, backend, 0, static)
         eager = torch._dynamo.disable(n.target)
         setattr(eager, CHECKPOINTED, region)  # FSDP2 finds the region's modules by it
         n.target = eager
@@ -113,8 +135,8 @@ def _compile_regions(module: fx.GraphModule, backend: str) -> int:
     return count
 
 
-def _compile_forward(module: fx.GraphModule, backend: str, eager_linears: int) -> CompiledStage:
-    compiled = CompiledStage(module.forward, backend, eager_linears)
+def _compile_forward(module: fx.GraphModule, backend: str, eager_linears: int, static: bool) -> CompiledStage:
+    compiled = CompiledStage(module.forward, backend, eager_linears, static)
     module.forward = compiled  # an instance attribute: the class, and so state_dict's names, stay
     setattr(module, _COMPILED, compiled)
     return compiled
@@ -122,27 +144,25 @@ def _compile_forward(module: fx.GraphModule, backend: str, eager_linears: int) -
 
 def runs_eagerly(plan: Plan, stage_index: int) -> str:
     """Why stage ``stage_index`` of ``plan`` runs eagerly ("" where it compiles): not compiled by
-    the plan, it holds tensor-parallel blocks (see the module's docstring), or experts spread over
-    an expert group."""
+    the plan. Every stage of a compiled plan compiles (tensor-parallel ones with static shapes,
+    expert-parallel layers eager between graphs: see the module's docstring)."""
     if not plan.compile:
         return "the plan does not compile"
-    if plan.tensor_parallel_size > 1 and plan.blocks_of(stage_index):
-        return "it holds tensor-parallel blocks (strided DTensor shards dynamo does not trace)"
-    if stage_index in plan.expert_parallel_stages:
-        return "it dispatches tokens to other ranks' experts (all-to-all of data-dependent sizes)"
     return ""
 
 
-def compile_stage(module: fx.GraphModule, *, deferring: bool = False, backend: str | None = None) -> CompiledStage:
+def compile_stage(module: fx.GraphModule, *, deferring: bool = False, backend: str | None = None,
+                  static: bool = False) -> CompiledStage:
     """Compile ``module`` (a stage) in place: its ``forward`` becomes a :class:`CompiledStage`
     (compiled at its first call), and so does each checkpointed block's region inside it.
     ``deferring``: its linears defer weight gradients (a zero-bubble schedule's W actions), kept
-    eager. ``backend`` None: :func:`compile_backend`'s."""
+    eager. ``static``: shapes compiled as they are (tensor-parallel stages). ``backend`` None:
+    :func:`compile_backend`'s."""
     backend = backend or _backend.get()
     eager = _keep_eager(module, _DEFERRED) if deferring else 0
-    _keep_eager(module, _OPAQUE)
-    _compile_regions(module, backend)
-    return _compile_forward(module, backend, eager)
+    _keep_experts_eager(module)
+    _compile_regions(module, backend, static)
+    return _compile_forward(module, backend, eager, static)
 
 
 def compiled_stage(module: torch.nn.Module) -> CompiledStage | None:

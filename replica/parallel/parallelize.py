@@ -15,7 +15,8 @@ each stage this process runs, after the pipeline split:
    checkpoints it runs whole under ``torch.utils.checkpoint`` in the runtime (``whole_stage``);
 4. **compilation** (:mod:`replica.parallel.compile`, where the plan compiles): each stage's graph
    through ``torch.compile``, its checkpointed blocks compiled inside their checkpoint, FSDP2's
-   root unit outside (a stage holding tensor-parallel blocks stays eager, said in the summary);
+   root unit outside (a stage holding tensor-parallel blocks with static shapes, an expert-parallel
+   layer eager between graphs; said in the summary);
 5. **data parallelism**: FSDP2 (``fully_shard`` per block, then the stage) over the mesh's
    ``dp_shard`` slice, or ``(dp_replicate, dp_shard)`` under HSDP, for sharded replicas; whole
    replicas average their gradients in the runtime (:mod:`replica.parallel.gradsync`); FSDP2
@@ -167,8 +168,10 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
         if blocks:
             checkpoint_blocks(stage.module, blocks, selective=plan.stages[stage.stage_index].recompute == "selective")
     # 4. compilation: each stage's graph (compiled at its first call), where the plan compiles it
+    cut = mesh is not None and plan.tensor_parallel_size > 1  # stages with blocks hold DTensors: static shapes
     for stage in (s for s in mine if not runs_eagerly(plan, s.stage_index)):
-        compile_stage(stage.module, deferring=stage.stage_index in flags.deferring)
+        compile_stage(stage.module, deferring=stage.stage_index in flags.deferring,
+                      static=cut and bool(plan.blocks_of(stage.stage_index)))
     # 5. sharded replicas: FSDP2 over the shard slice; their parameters become DTensor shards
     if mesh is not None and flags.sharded:
         for stage in sorted(mine, key=lambda s: s.stage_index):

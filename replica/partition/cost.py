@@ -375,7 +375,8 @@ class CostModel:
     when the graph was traced at the global batch). ``tensor_parallel`` (None: no tensor
     parallelism) divides the work of the ops computing on shards and adds the collectives of
     the tensor-parallel group to the ops they follow (:class:`TensorParallelCosts`). ``fused``
-    (a compiled plan's :func:`fused_ops`) are free but for their collectives; ``float8``
+    (a compiled plan's :func:`fused_ops`) are free but for their collectives; ``compiled``: no
+    DTensor dispatch is paid (the compiled graph calls the ops it dispatched to); ``float8``
     (:func:`float8_linears`) compute at ``float8_speedup`` times the half-precision rate.
     """
 
@@ -387,6 +388,7 @@ class CostModel:
     measured_fraction: float = 1.0
     tensor_parallel: TensorParallelCosts | None = None
     fused: frozenset[str] = frozenset()  # ops a compiled stage runs inside another's kernel: free (fused_ops)
+    compiled: bool = False  # compiled stages: DTensor's dispatch ran once, when traced (no dispatch_overhead_s)
     float8: frozenset[str] = frozenset()  # linears computing in float8 (float8_linears), at float8_speedup x
     float8_speedup: float = 1.0
     # (id(node), num_calls, backward) -> (node, seconds): an op priced once per call count (the
@@ -400,9 +402,11 @@ class CostModel:
 
     def _dispatch(self, node: Node) -> float:
         """What DTensor's dispatch adds to one call of ``node`` (forward, or backward): an op
-        computing on DTensors (``TensorParallelCosts.sharded``) pays ``dispatch_overhead_s``."""
+        computing on DTensors (``TensorParallelCosts.sharded``) pays ``dispatch_overhead_s``, eagerly:
+        a compiled stage's graph holds the plain ops DTensor dispatched to, once, when traced."""
         tp = self.tensor_parallel
-        return self.device.dispatch_overhead_s if tp is not None and node.name in tp.sharded else 0.0
+        return self.device.dispatch_overhead_s if tp is not None and node.name in tp.sharded and not self.compiled \
+            else 0.0
 
     def collective_time(self, node: Node, num_calls: int = 1, backward: bool = False) -> float:
         """Seconds of the tensor-parallel collectives that follow ``node``'s forward (or its

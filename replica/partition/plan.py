@@ -322,12 +322,12 @@ class Plan:
             return f"compile: off ({self.compile_note})" if self.compile_note else "compile: off"
         split = " zero-bubble stages run each deferred linear eagerly between their compiled graphs (its weight " \
                 "gradient is computed by a W action);" if self.layout.kind.splits_backward else ""
-        eager = [s.stage_index for s in self.stages if self.blocks_of(s.stage_index)] \
+        static = [s.stage_index for s in self.stages if self.blocks_of(s.stage_index)] \
             if self.tensor_parallel_size > 1 else []
-        tp = f" stages {eager} run eagerly: their tensor-parallel blocks hold strided DTensor shards dynamo does " \
-             "not trace, and are priced so;" if eager else ""
-        experts = f" stages {list(self.expert_parallel_stages)} run eagerly: their all-to-all dispatch has " \
-            "data-dependent sizes;" if self.expert_parallel_stages else ""
+        tp = f" stages {static} compile each micro-batch size once (static shapes: DTensor's sharding rules take " \
+             "no symbolic batch flattened with the heads in attention's matmuls);" if static else ""
+        experts = f" stages {list(self.expert_parallel_stages)} run each expert-parallel layer eagerly between " \
+            "compiled graphs: its all-to-all dispatch has data-dependent sizes;" if self.expert_parallel_stages else ""
         float8 = " the linears in float8 (torchao);" if self.float8 else ""
         fsdp = " FSDP2's per-block units run their hooks eagerly between compiled graphs;" \
             if self.layout.sharded and self.data_parallel_size > 1 else ""

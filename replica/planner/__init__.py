@@ -146,10 +146,6 @@ def _compile_if_it_pays(traced: Traced, model: torch.nn.Module, r: PlanRequest, 
     nothing; a compiled backward runs whole, so a pipeline of few micro-batches can lose more early
     input-gradient sends than the fusions gain."""
     where = compiled.device or r.device
-    if compiled.tensor_parallel_size > 1 and all(compiled.blocks_of(s.stage_index) for s in compiled.stages):
-        # each stage holds tensor-parallel blocks, which run eagerly (replica.parallel.compile): priced alike
-        return dataclasses.replace(compiled, compile=False, compile_note=(
-            f"compile=None on {where}: off, every stage holds tensor-parallel blocks, which run eagerly"))
     pricing = _pricing(traced, model, r, scale, False)
     try:
         eager = pricing.partition_for(compiled.layout, compiled.num_microbatches,

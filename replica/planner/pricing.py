@@ -308,19 +308,21 @@ class Pricing:
         return self._sequence[t]
 
     def cost_model(self, spec: DeviceSpec, batch_fraction: float, tensor_parallel_size: int = 1,
-                   sequence_parallel: bool = False) -> CostModel:
+                   sequence_parallel: bool = False, expert_parallel_size: int = 1) -> CostModel:
         """The cost model of ``spec`` at ``batch_fraction`` for one rank of ``tensor_parallel_size``
         (``sequence_parallel`` or not), made once: it prices each op once per micro-batch count,
-        for every cut the tuner makes."""
-        key = (spec, batch_fraction, tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1)
+        for every cut the tuner makes. Compiled, the ops of experts spread over ``expert_parallel_size``
+        > 1 ranks fuse nothing: their layer runs eagerly between graphs (replica.parallel.compile)."""
+        spread = expert_parallel_size > 1 and self.compiled and bool(self.experts)
+        key = (spec, batch_fraction, tensor_parallel_size, sequence_parallel and tensor_parallel_size > 1, spread)
         if key not in self._models:
+            eager = {n for b in self.experts for n in b.nodes} if spread else set()
             self._models[key] = CostModel(spec, dtype=self.dtype, measured=self.measured, batch_fraction=batch_fraction,
                                           measured_fraction=self.measured_fraction,
                                           tensor_parallel=self.tensor_parallel_costs(tensor_parallel_size,
                                                                                      sequence_parallel),
-                                          # stages with tensor-parallel blocks run eagerly (parallel/compile.py)
                                           fused=fused_ops(self.graph_for(tensor_parallel_size, sequence_parallel))
-                                          if self.compiled and tensor_parallel_size == 1 else frozenset(),
+                                          - eager if self.compiled else frozenset(), compiled=self.compiled,
                                           float8=float8_linears(self.graph_for(tensor_parallel_size, sequence_parallel))
                                           if self.float8 else frozenset(), float8_speedup=FLOAT8_SPEEDUP)
         return self._models[key]
@@ -334,9 +336,9 @@ class Pricing:
         if self.devices is not None:
             return 0.0
         t, m, sp = layout.tensor_parallel_size, num_microbatches, layout.sequence_parallel
-        key = (layout.data_parallel_size, t, m, sp)
+        key = (layout.data_parallel_size, t, m, sp, layout.expert_parallel_size)
         if key not in self._work:
-            cm = self.cost_model(self.spec, self.batch_fraction(layout), t, sp)
+            cm = self.cost_model(self.spec, self.batch_fraction(layout), t, sp, layout.expert_parallel_size)
             self._work[key] = sum(cm.forward_time(n, m) + cm.backward_time(n, m)
                                   for n in self.graph_for(t, sp).op_nodes)
         return self._work[key]
@@ -486,12 +488,11 @@ class Pricing:
             )
         batch_fraction = self.batch_fraction(layout)
         specs = self.specs(layout.num_stages)
-        t = layout.tensor_parallel_size
+        t, e = layout.tensor_parallel_size, layout.expert_parallel_size
         by_spec: dict[int, CostModel] = {}
-        models = [by_spec.setdefault(id(sp), self.cost_model(sp, batch_fraction, t, layout.sequence_parallel))
+        models = [by_spec.setdefault(id(sp), self.cost_model(sp, batch_fraction, t, layout.sequence_parallel, e))
                   for sp in specs]
         blocks = self.blocks_for(t)
-        e = layout.expert_parallel_size
         # an expert block's all-to-all runs inside one stage: no cut falls inside it where spread
         experts = tuple(b.nodes for b in self.experts if len(b.nodes) > 1) if e > 1 else ()
         if simulated:

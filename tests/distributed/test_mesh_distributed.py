@@ -1,7 +1,7 @@
 """Layouts composed on one device mesh, on gloo ranks: FSDP2 × tensor parallelism (2-D), pipeline ×
 FSDP2 × tensor parallelism (3-D) and HSDP (shard groups that replicate each other). Every gradient
-(gathered with ``full_tensor()``) is the plain model's on the whole batch, each rank holds its share
-of the weights, and the Trainer trains, checkpoints and resumes in each layout."""
+(gathered with ``full_tensor()``) is the plain model's on the whole batch (FSDP2 x TP also compiled),
+each rank holds its share of the weights, and the Trainer trains, checkpoints and resumes in each layout."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _held_share(report: dict) -> float:
 
 
 def test_fsdp_by_tensor_parallel_and_hsdp_on_four_ranks() -> None:
-    runs = (("example", None, {**FSDP_TP, "sharded_data_parallel": "zero3"}),  # fused q/k/v, SDPA
+    runs = (("example", None, {**FSDP_TP, "sharded_data_parallel": "zero3", "compile": True}),  # fused q/k/v, SDPA
             ("gpt2", None, {**FSDP_TP, "sharded_data_parallel": "zero3"}),  # Conv1D, fused c_attn
             ("llama", None, {**FSDP_TP, "sharded_data_parallel": "zero2"}),  # GQA, torch.export
             ("llama", "bf16", {**FSDP_TP, "sharded_data_parallel": "zero3"}),
