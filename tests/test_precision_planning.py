@@ -386,6 +386,24 @@ def test_an_exported_moe_on_meta_plans_in_bf16_for_a_gpu():
     assert p.precision == "bf16" and p.num_stages == 2
 
 
+def test_a_plan_priced_compiled_and_eager_reruns_the_autocast_once(monkeypatch) -> None:
+    """compile=None on a GPU prices the chosen layout compiled and eager: two price sets of one
+    trace, one autocast rerun (kept on the trace)."""
+    import replica.partition.autocast as autocast
+
+    runs = []
+    real = autocast._autocast_graph
+    monkeypatch.setattr(autocast, "_autocast_graph", lambda *a, **k: runs.append(1) or real(*a, **k))
+    from examples.gpt.model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16))
+    tokens = torch.empty(4, 16, dtype=torch.long, device="meta")
+    p = replica.plan(model, (tokens,), num_stages=2, device="h100-80gb", cost="analytic", mixed_precision="bf16")
+    assert p.precision == "bf16" and "compile=None on h100-80gb" in p.summary()
+    assert runs == [1]
+
+
 # --------------------------------------------------------------------------- the plan
 
 

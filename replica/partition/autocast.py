@@ -264,9 +264,18 @@ def autocast_graph(traced: Traced, model: torch.nn.Module, device_type: str, pre
     ``device_type``: node for node, each op's outputs in the dtypes autocast gives them, the
     bytes it moves then (casts included: each writes a copy that the op reads), the dtype
     most of its FLOPs run in and the weights it casts. ``real``: the model and inputs hold
-    real tensors, so a graph fake tensors cannot run may run for real (without grad)."""
+    real tensors, so a graph fake tensors cannot run may run for real (without grad). Made once
+    per trace and kept on it (``Traced.autocast_graphs``): a plan priced compiled and eager reruns
+    nothing."""
     if autocast_dtype(precision) is None:
         return traced.graph
+    key = (device_type, precision, real)
+    if key not in traced.autocast_graphs:
+        traced.autocast_graphs[key] = _autocast_graph(traced, model, device_type, precision, real)
+    return traced.autocast_graphs[key]
+
+
+def _autocast_graph(traced: Traced, model: torch.nn.Module, device_type: str, precision: str, real: bool) -> Graph:
     names, _ = _named_tensors(model)
     rerun = _rerun(traced, names, device_type, precision, real)
     graph = traced.graph

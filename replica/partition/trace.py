@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -58,6 +58,10 @@ class Traced:
     training: bool = True  # the model's mode while tracing
     example: tuple[Any, ...] = ()  # the graph's inputs while tracing (example_inputs, then keyword tensors)
     dynamic_dims: tuple[tuple[int, ...], ...] = ()  # per graph input: the dims a call may change
+    # the graph as it runs under an autocast, by (device type, precision, real): made once per trace
+    # (replica.partition.autocast.autocast_graph; not copied by dataclasses.replace)
+    autocast_graphs: dict[tuple[str, str, bool], Graph] = field(default_factory=dict, init=False, repr=False,
+                                                                compare=False)
 
 
 
