@@ -331,7 +331,8 @@ class Plan:
         float8 = " the linears in float8 (torchao);" if self.float8 else ""
         fsdp = " FSDP2's per-block units run their hooks eagerly between compiled graphs;" \
             if self.layout.sharded and self.data_parallel_size > 1 else ""
-        return (f"compile: every stage through torch.compile ({self.compile_note}), the batch dim dynamic;{split}{tp}"
+        dims = "shapes static in every stage" if len(static) == self.num_stages else "the batch dim dynamic"
+        return (f"compile: every stage through torch.compile ({self.compile_note}), {dims};{split}{tp}"
                 f"{experts}"
                 f"{fsdp}{float8} checkpointed blocks compiled inside their checkpoint")
 
