@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from replica.errors import ConfigError
 
 __all__ = ["ScheduleKind", "SCHEDULE_KINDS", "schedule_kind", "schedule_names", "TUNED_SCHEDULES", "SHARDINGS",
-           "GRAD_SYNCS", "MESH_DIMS", "Layout", "Coordinates"]
+           "GRAD_SYNCS", "MESH_DIMS", "Layout", "Coordinates", "v_sharding_error"]
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,19 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
 )}
 TUNED_SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_KINDS)
 SHARDINGS = ("none", "zero3", "zero2")  # Layout.sharding
-# zb-v's V puts the first and the last stage on one rank: a weight both read (a tied embedding and
-# head) would sit in two FSDP roots there; measured wrong gradients on gloo ranks (#39)
-_V_SHARDING = ("sharded data parallelism ({asked}) cannot run the schedule {name!r} yet: its V puts "
-               "the first and the last stage on one rank, where a weight both read (a tied embedding and head) "
-               "would sit in two FSDP roots. Use zb-h1, zb-interleaved, 1f1b, interleaved or gpipe with sharding")
 GRAD_SYNCS = ("step", "microbatch")  # when sharded replicas reduce-scatter a stage's gradients (StagePlan.grad_sync)
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")  # Layout.mesh_shape's names, outermost first
+
+
+def v_sharding_error(asked: str, schedule: str, fix: str = "") -> ConfigError:
+    """The error for sharded replicas (``asked``: the argument that asked for them) under a
+    schedule whose V puts the first and the last stage on one rank; ``fix``: more to suggest. A weight
+    both stages read (a tied embedding and head) would sit in two FSDP roots there: measured wrong
+    gradients on gloo ranks (#39)."""
+    return ConfigError(f"sharded data parallelism ({asked}) cannot run the schedule {schedule!r} yet: its V puts "
+                       "the first and the last stage on one rank, where a weight both read (a tied embedding and "
+                       "head) would sit in two FSDP roots. Use zb-h1, zb-interleaved, 1f1b, interleaved or gpipe "
+                       f"with sharding{fix}")
 
 
 def schedule_names(auto: bool = False) -> list[str]:
@@ -149,7 +155,7 @@ class Layout:
             raise ConfigError(f"sharding={self.sharding!r} shards over data-parallel replicas, but this layout has "
                               f"one ({self.pipeline_ranks} pipeline ranks); use sharding='none' or more replicas")
         if self.sharding != "none" and kind.placement == "v":
-            raise ConfigError(_V_SHARDING.format(asked=f"sharding={self.sharding!r}", name=kind.name))
+            raise v_sharding_error(f"sharding={self.sharding!r}", kind.name)
         if self.shard_group_size is not None:
             _positive("shard_group_size", self.shard_group_size)
             d, g = self.data_parallel_size, self.shard_group_size

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from replica.errors import ConfigError, PartitionError
-from replica.layout import _V_SHARDING, Layout
+from replica.layout import Layout, v_sharding_error
 from replica.partition.blocks import find_blocks
 from replica.partition.graph import fingerprint
 from replica.partition.partitioner import MemoryModel
@@ -183,8 +183,8 @@ def _sequence_choices(pricing: Pricing, r: PlanRequest, tensor_parallel_size: in
 def _check_shardable(r: PlanRequest) -> None:
     """A request that must shard names a layout sharding can run: replicas, not zb-v's V."""
     if r.schedule == "zb-v":
-        raise ConfigError(_V_SHARDING.format(asked=f"sharded_data_parallel={r.sharded_data_parallel!r}",
-                                             name=r.schedule) + ", or schedule='auto'")
+        raise v_sharding_error(f"sharded_data_parallel={r.sharded_data_parallel!r}", r.schedule,
+                               ", or schedule='auto'")
     if r.replicas_fixed() == 1:
         where = ("this plans for one process (no world_size=, no process group): run auto_parallel or the Trainer "
                  "under torchrun (torchrun --nproc_per_node N), or give replica.plan world_size=N; in one process use"
