@@ -188,7 +188,9 @@ def price_titan(run: Titan, model: torch.nn.Module, device: replica.DeviceSpec |
     with sequence parallelism as torchtitan runs it, and PP, full recompute, no memory budget),
     or with ``free`` the tuner's own choice for the same world and global batch within the
     preset's memory (``same_terms``: as the forced rows are priced, recompute and no memory budget).
-    ``options``: more planning keywords for the forced layout (``compile=``, ``float8=``)."""
+    ``options``: more planning keywords for the forced layout (``compile=``, ``float8=``). The
+    forced layout compiles as the row ran: the float8 rows (70B, 405B) ran under torch.compile, and
+    their bf16 reference keeps compile's gain; the 8B rows ran eagerly."""
     tokens = torch.empty(run.global_batch, TITAN_SEQ, dtype=torch.long, device="meta")
     if free:
         terms: dict = dict(recompute=True, memory_budget=float("inf")) if same_terms else {}
@@ -199,7 +201,7 @@ def price_titan(run: Titan, model: torch.nn.Module, device: replica.DeviceSpec |
                         num_microbatches=run.microbatches, schedule=run.schedule, tensor_parallel_size=run.tp,
                         data_parallel_size=run.dp, device=device, mixed_precision="bf16",
                         sharded_data_parallel="zero3", recompute=True, cost="analytic", memory_budget=float("inf"),
-                        sequence_parallel=run.tp > 1, **options)
+                        sequence_parallel=run.tp > 1, **{"compile": run.float8, **options})
 
 
 def tokens_per_gpu(run: Titan, plan: replica.Plan) -> float:
