@@ -124,7 +124,8 @@ def titan_gains() -> None:
     run = TITAN[0]
     model = llama3(run.flavour)
     tps = {name: tokens_per_gpu(run, price_titan(run, model, **options)) for name, options in
-           (("eager", dict(compile=False)), ("compiled", dict(compile=True)), ("float8", dict(float8=True)))}
+           (("eager", dict(compile=False)), ("compiled", dict(compile=True)),
+            ("float8", dict(compile=True, float8=True)))}
     print(f"predicted {run.label} {run.flavour} on {run.gpus} h100-80gb, tokens/s per GPU: eager {tps['eager']:,.0f}, "
           f"compiled {tps['compiled']:,.0f} (x{tps['compiled'] / tps['eager']:.3f}; published x{6667 / 5762:.3f}), "
           f"float8 {tps['float8']:,.0f} (x{tps['float8'] / tps['compiled']:.3f} over compiled; published "
