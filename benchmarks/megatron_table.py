@@ -148,7 +148,8 @@ def price(row: Row, device: replica.DeviceSpec | str = "a100-80gb", chunks: int 
                         tensor_parallel_size=row.tp, num_stages=row.pp * chunks, data_parallel_size=row.dp,
                         num_microbatches=row.num_microbatches, schedule="interleaved" if chunks > 1 else "1f1b",
                         recompute=True, sharded_data_parallel=False, cost="analytic", memory_budget=float("inf"),
-                        sequence_parallel=False, options=options)  # SC'21's runs: no sequence parallelism
+                        sequence_parallel=False, options=options,  # SC'21's runs: no sequence parallelism
+                        compile=False)  # nor torch.compile
     return plan, time.perf_counter() - start
 
 

@@ -105,7 +105,8 @@ def price(run: Published, device: replica.DeviceSpec | str = "a100-80gb") -> tup
     plan = replica.plan(model, (tokens,), world_size=run.gpus, num_stages=1, num_microbatches=run.accumulation,
                         schedule="1f1b", device=device, mixed_precision="bf16", sharded_data_parallel="zero3",
                         grad_sync="microbatch",  # Composer's FSDP reduce-scatters every micro-batch
-                        recompute=run.checkpointing, cost="analytic", memory_budget=float("inf"))
+                        recompute=run.checkpointing, cost="analytic", memory_budget=float("inf"),
+                        compile=False)  # Composer's published runs: eager
     return plan, model.num_parameters()
 
 
