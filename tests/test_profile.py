@@ -172,6 +172,20 @@ def test_a_cache_written_on_a_busier_machine_is_timed_again(tmp_path, monkeypatc
     assert 0 < len(calls) <= 2 * profile_module.SPOT_CHECKS  # a forward and a backward per op checked
 
 
+def test_a_cache_slowed_at_some_ops_is_stale():
+    """Noise only adds time: one re-timed op now under half its cached time means the cache met
+    load there (a busy moment may slow only some ops); a few percent either way is noise."""
+    from replica.partition.profile import _stale
+
+    def spot(*ratios):
+        return [(str(i), [1e-3, 2e-3], [1e-3 * r, 2e-3 * r]) for i, r in enumerate(ratios)]
+
+    assert _stale(spot(0.5, 0.6, 0.7, 0.75))  # in median under 0.8
+    assert _stale(spot(1.0, 1.05, 0.95, 0.4))  # one op cached at 2.5x
+    assert not _stale(spot(0.9, 1.1, 0.85, 1.3, 0.95))
+    assert not _stale([])
+
+
 def test_times_that_stay_contradictory_are_settled_once():
     """Times still contradictory after the retries are pulled into the plausible range and
     cached so: the next profile reads them back unchanged instead of timing them again."""
