@@ -140,6 +140,8 @@ def test_compile_none_on_a_gpu_takes_the_faster_of_the_same_layout_compiled_and_
     assert steps[False] / steps[True] > 1.01 and tensor_parallel.compile, steps
     assert tensor_parallel.predicted_step_time_s == pytest.approx(steps[True], rel=1e-9)
     assert "stages [0] compile each micro-batch size once (static shapes" in tensor_parallel.summary()
+    assert tensor_parallel.static_shape_stages == (0,)
+    assert replica.plan(gpt, (x,), **{**world, "world_size": 1, "tensor_parallel_size": 1}).static_shape_stages == ()
 
 
 def test_compiled_plans_price_pointwise_chains_as_one_pass() -> None:

@@ -168,10 +168,10 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
         if blocks:
             checkpoint_blocks(stage.module, blocks, selective=plan.stages[stage.stage_index].recompute == "selective")
     # 4. compilation: each stage's graph (compiled at its first call), where the plan compiles it
-    cut = mesh is not None and plan.tensor_parallel_size > 1  # stages with blocks hold DTensors: static shapes
+    static = set(plan.static_shape_stages) if mesh is not None else set()  # cut over a mesh: DTensors
     for stage in (s for s in mine if not runs_eagerly(plan, s.stage_index)):
         compile_stage(stage.module, deferring=stage.stage_index in flags.deferring,
-                      static=cut and bool(plan.blocks_of(stage.stage_index)))
+                      static=stage.stage_index in static)
     # 5. sharded replicas: FSDP2 over the shard slice; their parameters become DTensor shards
     if mesh is not None and flags.sharded:
         for stage in sorted(mine, key=lambda s: s.stage_index):

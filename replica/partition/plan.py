@@ -309,6 +309,15 @@ class Plan:
                 f"all-gathered{dtype} {count} time{'s' if count != '1' else ''} a step, {reduced}: {times}{why}")
 
     @property
+    def static_shape_stages(self) -> tuple[int, ...]:
+        """The stages that compile with static shapes, one graph per micro-batch size: those holding
+        tensor-parallel blocks (DTensor takes no symbolic batch through head-sharded attention;
+        replica.parallel.compile)."""
+        if self.tensor_parallel_size <= 1:
+            return ()
+        return tuple(s.stage_index for s in self.stages if self.blocks_of(s.stage_index))
+
+    @property
     def expert_parallel_stages(self) -> tuple[int, ...]:
         """The stages holding an MoE layer whose experts are spread over an expert group (ep > 1)."""
         if self.layout.expert_parallel_size <= 1 or not self.experts:
@@ -322,8 +331,7 @@ class Plan:
             return f"compile: off ({self.compile_note})" if self.compile_note else "compile: off"
         split = " zero-bubble stages run each deferred linear eagerly between their compiled graphs (its weight " \
                 "gradient is computed by a W action);" if self.layout.kind.splits_backward else ""
-        static = [s.stage_index for s in self.stages if self.blocks_of(s.stage_index)] \
-            if self.tensor_parallel_size > 1 else []
+        static = list(self.static_shape_stages)
         tp = f" stages {static} compile each micro-batch size once (static shapes: DTensor's sharding rules take " \
              "no symbolic batch flattened with the heads in attention's matmuls);" if static else ""
         experts = f" stages {list(self.expert_parallel_stages)} run each expert-parallel layer eagerly between " \

@@ -292,9 +292,9 @@ def _profile(gm: fx.GraphModule, inputs: Sequence[Any], repeats: int, cache: boo
 
 RETRIES = 2
 # Cached times are checked: a plan re-times up to SPOT_CHECKS of the cached ops that cost at least
-# SPOT_MIN_S (forward and backward), spread over the graph, and where they now take under STALE of
-# their cached times (median), or one under STALE_ONE of its own,
-# the cache was written on a busier machine and every op is timed again, each keeping its best time.
+# SPOT_MIN_S (forward and backward), spread over the graph; where they now take under STALE of their
+# cached times (median), or one under STALE_ONE of its own, the cache was written on a busier
+# machine and every op is timed again, each keeping its best time.
 # Without it a time measured under load was read back forever: the benchmark GPT's cached ops priced
 # a 2-stage pipeline at 2.98 s, timed afresh 1.48 s, measured 1.55 s (benchmarks/RESULTS.md).
 SPOT_CHECKS = 6
