@@ -119,7 +119,13 @@ def one_line_errors_off_rank_0() -> None:
             return
         first = (str(exc).splitlines() or [""])[0]
         more = " …" if "\n" in str(exc) or len(first) > 300 else ""
-        print(f"replica: rank {rank}: {kind.__name__}: {first[:300]}{more}", file=sys.stderr, flush=True)
+        line = f"replica: rank {rank}: {kind.__name__}: {first[:300]}{more}\n"
+        sys.stderr.flush()  # one write of the whole line: ranks sharing a pipe do not splice their lines
+        try:
+            os.write(sys.stderr.fileno(), line.encode("utf-8", "replace"))
+        except (AttributeError, OSError, ValueError):  # a stderr without a file (captured): Python's write
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
     hook.replica_rank = rank  # type: ignore[attr-defined]
     sys.excepthook = hook
