@@ -189,8 +189,9 @@ class Trainer:
         self.reporter.record("plan", num_stages=p.num_stages, num_microbatches=p.num_microbatches,
                              schedule=p.schedule, data_parallel_size=p.data_parallel_size,
                              world_size=self.world_size, weights=self._weights_source(checkpoint))
+        micro = f"{p.num_microbatches} micro-batch{'es' if p.num_microbatches > 1 else ''}"
         self.reporter.say(f"replica: {self.world_size} process{'es' if self.world_size > 1 else ''}: "
-                          f"{p.layout.describe()}, {p.num_microbatches} micro-batches per replica, {p.precision}; "
+                          f"{p.layout.describe()}, {micro} per replica, {p.precision}; "
                           f"weights: {self._weights_source(checkpoint)}")
 
     def _weights_source(self, checkpoint: Path | None) -> str:
