@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -222,6 +223,73 @@ def test_the_same_model_again_is_not_exported_again_and_reads_its_own_weights(mo
     assert _exports_of(Scaled(), torch.randn(4, 8, 2)[..., 0], monkeypatch)[0] == 1  # other strides
     assert _exports_of(Scaled(), torch.randn(2, 8), monkeypatch)[0] == 1  # another input shape
     assert len(exporting._EXPORTS) <= exporting._EXPORTS.size
+
+
+SHIFT = 0.0  # read by Globals' helper: export bakes it in as it bakes in an attribute
+
+
+def _shifted(x: torch.Tensor) -> torch.Tensor:
+    return x + SHIFT
+
+
+class Globals(nn.Module):
+    """Reads a module-level flag in its forward and a module-level number through a helper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 0:  # a shape branch: fx cannot trace it
+            x = -x if FLIP else x
+        return _shifted(self.l1(x))
+
+
+FLIP = False
+
+
+def test_a_changed_global_the_forward_reads_is_exported_again(monkeypatch):
+    """The kept export's key holds the globals a forward reads, through the helpers it calls, and a
+    closure's cells: changed, the model is exported again and computes as the plain one does
+    (before, the graph of the old value came back: a silently wrong model)."""
+    from replica.partition import export as exporting
+
+    monkeypatch.setattr(exporting, "_EXPORTS", exporting.Kept(8))
+    x = torch.randn(4, 8)
+    model = Globals()
+    assert _exports_of(model, x, monkeypatch)[0] == 1
+    assert _exports_of(model, x, monkeypatch)[0] == 0  # nothing changed: kept
+    for name, value in (("FLIP", True), ("SHIFT", 2.0)):  # the forward's own global, then its helper's
+        monkeypatch.setattr(sys.modules[__name__], name, value)
+        runs, out = _exports_of(model, x, monkeypatch)
+        assert runs == 1, name
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    assert _exports_of(model, x, monkeypatch)[0] == 0
+
+    def with_scale(scale: float) -> nn.Module:
+        class Closed(Globals):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return super().forward(x) * scale  # a cell of the class's forward, not a global
+
+        return Closed()
+
+    closed = with_scale(2.0)
+    closed.load_state_dict(model.state_dict())
+    assert _exports_of(closed, x, monkeypatch)[0] == 1
+    other = with_scale(3.0)  # another class: its forward another function; the cell is keyed too
+    other.load_state_dict(model.state_dict())
+    runs, out = _exports_of(other, x, monkeypatch)
+    assert runs == 1
+    torch.testing.assert_close(out, other(x), rtol=0, atol=0)
+
+
+def test_the_globals_key_gives_up_past_its_walk_limit(monkeypatch):
+    from replica.partition import export as exporting
+
+    monkeypatch.setattr(exporting, "_GLOBALS_WALK_LIMIT", 1)
+    assert exporting.structure_key(Globals(), (torch.randn(4, 8),)) is None  # forward and helper: 2 functions
+    monkeypatch.setattr(exporting, "_GLOBALS_WALK_LIMIT", 2)
+    assert exporting.structure_key(Globals(), (torch.randn(4, 8),)) is not None
 
 
 def test_an_attribute_of_an_unknown_kind_is_exported_every_time(monkeypatch):

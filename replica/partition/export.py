@@ -245,7 +245,8 @@ def structure_key(model: torch.nn.Module, inputs: Any, *extra: Any, root_attribu
     ``root_attributes=False``), each weight's name, shape,
     dtype, strides, device, kind and aliases (not its values: they are graph inputs), the
     ``inputs``' shapes, dtypes, strides and devices (their non-tensor values by value), ``extra``,
-    the tensors in ``constants`` by value, and torch's global modes. None where some attribute
+    the tensors in ``constants`` by value, torch's global modes, and the module-level names each
+    forward reads, through the helpers it calls (:func:`_globals_key`). None where some attribute
     cannot be told apart by value (an object of an unknown kind): whatever was computed from it
     is not kept."""
     try:
@@ -265,7 +266,74 @@ def structure_key(model: torch.nn.Module, inputs: Any, *extra: Any, root_attribu
         return None
     modes = (torch.is_grad_enabled(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
              torch.are_deterministic_algorithms_enabled())
-    return modes, tensors, modules, values
+    read = _globals_key(type(m).forward for m in model.modules())
+    return None if read is None else (modes, tensors, modules, values, read)
+
+
+_GLOBALS_WALK_LIMIT = 512  # functions read at most: past it the key is None (nothing kept)
+
+
+def _globals_key(functions: Iterator[Any]) -> Any:
+    """The module-level names ``functions`` read, and their closures' cells, by value: a trace bakes
+    in ``if FLAG:`` or ``x * SCALE`` read from a module's globals as it bakes in an attribute.
+    Followed through the Python functions read (a helper's own globals), a wrapper's
+    ``__wrapped__`` and the functions nested in their code; torch's own code is not walked (its
+    modes are keyed apart). A value of an unknown kind counts by identity; past
+    ``_GLOBALS_WALK_LIMIT`` functions the key is None, as for an unknown attribute."""
+    out: list[Any] = []
+    seen: set[int] = set()
+    stack = list(functions)
+    while stack:
+        f = stack.pop()
+        f = getattr(f, "__func__", f)  # a bound or class method: its function
+        code, names = getattr(f, "__code__", None), getattr(f, "__globals__", None)
+        if code is None or names is None or id(code) in seen:
+            continue
+        if str(names.get("__name__", "")).split(".")[0] == "torch":
+            continue
+        seen.add(id(code))
+        if len(seen) > _GLOBALS_WALK_LIMIT:
+            return None
+        wrapped = getattr(f, "__wrapped__", None)
+        if wrapped is not None:
+            stack.append(wrapped)
+        cells = tuple(c.cell_contents for c in (f.__closure__ or ()) if _filled(c))
+        read = []
+        for name in _names_read(code):
+            if name in names:
+                read.append((name, _global_value(names[name], stack)))
+        out.append((code, tuple(read), tuple(_global_value(v, stack) for v in cells)))
+    return tuple(out)
+
+
+def _names_read(code: Any) -> Iterator[str]:
+    """Every name ``code`` and the functions nested in it look up (globals and attributes alike)."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            yield from _names_read(const)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell: a name not yet bound
+        return False
+    return True
+
+
+def _global_value(v: Any, stack: list[Any]) -> Any:
+    """A global's key: its value where it has one, a Python function's identity (and the function
+    walked in turn), anything else's identity."""
+    if inspect.isfunction(v) or inspect.ismethod(v):
+        stack.append(v)
+        return v
+    if inspect.ismodule(v) or isinstance(v, type):
+        return v
+    try:
+        return _value_key(v, module=True)
+    except _Unkeyable:
+        return type(v), id(v)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
