@@ -19,6 +19,7 @@ from replica.partition.trace import trace
 from replica.stage.weightgrad import WeightGrads, collecting
 from tests.grads import assert_same_grads
 from tests.models import mlp, tiny_gpt
+from tests.train_cases import assert_same_weights, run, weights
 
 
 def _reference(model, x, y, loss_fn):
@@ -38,6 +39,22 @@ def test_compile_must_be_true_false_or_none(compile_) -> None:
 
 def test_the_trainer_config_plans_with_compile() -> None:
     assert replica.defaults.TrainerConfig(compile=True).planning()["compile"] is True
+
+
+def test_a_compiled_trainer_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path) -> None:
+    """compile=True through the Trainer: batches of 32, 32 and 36 (the last's micro-batches another
+    size), a run dying after step 4 and one resuming from its checkpoint of step 4 (another model
+    seed: every weight from the checkpoint) end with the uninterrupted compiled run's weights, and
+    those are the eager run's."""
+    with compile_backend("aot_eager"):
+        whole = run(None, compile=True, num_stages=2, model_seed=0)  # the seed the dying run starts from
+        assert all(compiled_stage(s.module) is not None for s in whole.pipeline.stages)
+        run(tmp_path, stop_at=4, compile=True, num_stages=2)
+        resumed = run(tmp_path, compile=True, num_stages=2)
+    assert resumed.resumed_from.name == "step-00000004" and resumed.step == whole.step == 9
+    assert_same_weights(weights(resumed.model), weights(whole.model), rtol=0, atol=0)
+    eager = run(None, compile=False, num_stages=2, model_seed=0)
+    assert_same_weights(weights(whole.model), weights(eager.model), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("factory,schedule,recompute", [
