@@ -266,21 +266,33 @@ def test_a_changed_global_the_forward_reads_is_exported_again(monkeypatch):
         torch.testing.assert_close(out, model(x), rtol=0, atol=0)
     assert _exports_of(model, x, monkeypatch)[0] == 0
 
-    def with_scale(scale: float) -> nn.Module:
-        class Closed(Globals):
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                return super().forward(x) * scale  # a cell of the class's forward, not a global
+    monkeypatch.setattr(Scaled, "forward", _scaled_forward)
+    scaled = Scaled()
+    assert _exports_of(scaled, x, monkeypatch)[0] == 1
+    for scale in (2.0, 3.0):  # the same helper function, its closure's cell rebound: keyed by value
+        _set_scale(scale)
+        runs, out = _exports_of(scaled, x, monkeypatch)
+        assert runs == 1, scale
+        torch.testing.assert_close(out, scaled(x), rtol=0, atol=0)
+    _set_scale(1.0)
 
-        return Closed()
 
-    closed = with_scale(2.0)
-    closed.load_state_dict(model.state_dict())
-    assert _exports_of(closed, x, monkeypatch)[0] == 1
-    other = with_scale(3.0)  # another class: its forward another function; the cell is keyed too
-    other.load_state_dict(model.state_dict())
-    runs, out = _exports_of(other, x, monkeypatch)
-    assert runs == 1
-    torch.testing.assert_close(out, other(x), rtol=0, atol=0)
+def _adjustable(scale: float):  # noqa: ANN202
+    def scale_by(x: torch.Tensor) -> torch.Tensor:
+        return x * scale
+
+    def set_scale(value: float) -> None:
+        nonlocal scale
+        scale = value
+
+    return scale_by, set_scale
+
+
+_scale, _set_scale = _adjustable(1.0)
+
+
+def _scaled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _scale(torch.tanh(self.l1(x)) if x.shape[0] else x)
 
 
 def test_the_globals_key_gives_up_past_its_walk_limit(monkeypatch):

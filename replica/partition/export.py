@@ -287,11 +287,11 @@ def _globals_key(functions: Iterator[Any]) -> Any:
         f = stack.pop()
         f = getattr(f, "__func__", f)  # a bound or class method: its function
         code, names = getattr(f, "__code__", None), getattr(f, "__globals__", None)
-        if code is None or names is None or id(code) in seen:
+        if code is None or names is None or id(f) in seen:  # by function: closures sharing code differ in cells
             continue
         if str(names.get("__name__", "")).split(".")[0] == "torch":
             continue
-        seen.add(id(code))
+        seen.add(id(f))
         if len(seen) > _GLOBALS_WALK_LIMIT:
             return None
         wrapped = getattr(f, "__wrapped__", None)
