@@ -7,6 +7,7 @@ joint graphs inductor gets, without its C++ build, which costs seconds per graph
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -46,9 +47,15 @@ def test_a_compiled_trainer_resumes_from_its_checkpoint_like_an_uninterrupted_ru
     size), a run dying after step 4 and one resuming from its checkpoint of step 4 (another model
     seed: every weight from the checkpoint) end with the uninterrupted compiled run's weights, and
     those are the eager run's."""
+    metrics = tmp_path / "metrics.jsonl"
     with compile_backend("aot_eager"):
-        whole = run(None, compile=True, num_stages=2, model_seed=0)  # the seed the dying run starts from
+        whole = run(None, compile=True, num_stages=2, model_seed=0,  # the seed the dying run starts from
+                    metrics_file=str(metrics))
         assert all(compiled_stage(s.module) is not None for s in whole.pipeline.stages)
+    # the warm-up's compile seconds, said once (step 1), none after (the uneven last batch: the batch dim dynamic)
+    compiles = [e for e in map(json.loads, metrics.read_text().splitlines()) if e["event"] == "compile"]
+    assert [(e["step"], e["first"]) for e in compiles] == [(1, True)] and compiles[0]["seconds"] > 0, compiles
+    with compile_backend("aot_eager"):
         run(tmp_path, stop_at=4, compile=True, num_stages=2)
         resumed = run(tmp_path, compile=True, num_stages=2)
     assert resumed.resumed_from.name == "step-00000004" and resumed.step == whole.step == 9

@@ -31,3 +31,18 @@ def test_a_meta_models_weights_source_is_named(capsys) -> None:
     trainer.train_dataset(*images(32), epochs=1)
     first = capsys.readouterr().out.splitlines()[0]
     assert first.endswith("weights: initialized by reset_parameters() from rank 0's seed"), first
+
+
+def test_compile_seconds_are_said_and_recorded(capsys, tmp_path) -> None:
+    from replica.train.report import Reporter
+
+    metrics = tmp_path / "m.jsonl"
+    reporter = Reporter(enabled=True, progress=True, log_every_steps=1, metrics_file=metrics)
+    reporter.compiled(step=1, seconds=12.34, first=True, cache="/tmp/torchinductor_me")
+    reporter.compiled(step=7, seconds=1.5, first=False, cache=None)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["compile: 12.3 s in step 1, torch.compile's warm-up (its step rate counts it); inductor keeps "
+                     "its graphs in /tmp/torchinductor_me: a later run compiles faster",
+                     "compile: 1.5 s more in step 7, for inputs not seen before (a micro-batch size new to a "
+                     "static-shape stage)"], lines
+    assert '"event": "compile"' in metrics.read_text() and metrics.read_text().count("\n") == 2

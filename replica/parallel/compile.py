@@ -38,6 +38,7 @@ last stage's output unflattening) stay outside the compiled code.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -49,8 +50,8 @@ from replica.scoped import Scoped
 from replica.stage import weightgrad
 from replica.stage.checkpoint import CHECKPOINTED
 
-__all__ = ["compile_stage", "compile_backend", "compile_seconds", "recompiles", "CompiledStage", "compiled_stage",
-           "runs_eagerly"]
+__all__ = ["compile_stage", "compile_backend", "compile_seconds", "inductor_cache_dir", "recompiles", "CompiledStage",
+           "compiled_stage", "runs_eagerly"]
 
 _backend: Scoped[str] = Scoped("inductor")
 _COMPILED = "replica_compiled"  # the module attribute that holds its CompiledStage
@@ -175,6 +176,19 @@ def compile_seconds() -> float:
     and backward graphs), by torch's own account."""
     spent = torch._dynamo.utils.calculate_time_spent()
     return float(spent.get("total_wall_time", 0.0))
+
+
+def inductor_cache_dir() -> str | None:
+    """Where inductor keeps its compiled graphs (``TORCHINDUCTOR_CACHE_DIR``, else a folder under
+    the temp dir): a later process compiling the same graphs reads them from there."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # older torch
+        try:
+            from torch._inductor.runtime.runtime_utils import cache_dir  # type: ignore[no-redef]
+        except ImportError:
+            return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return str(cache_dir())
 
 
 def recompiles() -> int:

@@ -85,6 +85,18 @@ class Reporter:
                          + (f", lr {lr:.3g}" if lr is not None else ""))
             self._window, self._window_start = [], time.perf_counter()
 
+    def compiled(self, *, step: int, seconds: float, first: bool, cache: str | None) -> None:
+        """torch.compile's seconds inside step ``step``: the warm-up (``first``), or graphs for inputs
+        not seen before (a new micro-batch size)."""
+        self.record("compile", step=step, seconds=seconds, first=first)
+        if first:
+            kept = f"; inductor keeps its graphs in {cache}: a later run compiles faster" if cache else ""
+            self.say(f"compile: {seconds:.1f} s in step {step}, torch.compile's warm-up (its step rate counts it)"
+                     f"{kept}")
+        else:
+            self.say(f"compile: {seconds:.1f} s more in step {step}, for inputs not seen before "
+                     "(a micro-batch size new to a static-shape stage)")
+
     def end_epoch(self, summary: dict[str, Any], num_epochs: int) -> None:
         if self._bar is not None:
             self._bar.stop()

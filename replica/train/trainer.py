@@ -38,6 +38,7 @@ from replica.checkpoint import store as ckpt
 from replica.defaults import TrainerConfig, default_config
 from replica.errors import ConfigError
 from replica.meta import stage_device
+from replica.parallel.compile import compile_seconds, compiled_stage, inductor_cache_dir
 from replica.process_group import ensure_process_group
 from replica.runtime import heap, microbatch
 from replica.train.data import Batch, DataSource, Inputs, LoaderSource, make_source, num_samples_in, pad
@@ -96,6 +97,7 @@ class Trainer:
         self.model, self.loss, self._optimizer_arg = model, loss, optimizer
         self._loss_fn = ModelLoss(loss)  # a torch loss scores a ModelOutput's logits
         self._init, self._weights = init, weights
+        self._compiled = False  # torch.compile's warm-up said
         self.device = next(model.parameters()).device
         self.loss_reduction = getattr(loss, "reduction", "mean")
         if self.loss_reduction not in ("mean", "sum"):
@@ -204,6 +206,20 @@ class Trainer:
             return f"{self._weights} (each rank read its own stages)"
         init = "reset_parameters() then init" if self._init is not None else "reset_parameters()"
         return f"initialized by {init} from rank 0's seed"
+
+    def _report_compile(self, seconds: float) -> None:
+        """Say what torch.compile spent inside the step just taken (0.05 s and more): the warm-up, once
+        in this trainer, and any later graphs."""
+        if seconds < 0.05:
+            return
+        first = not self._compiled
+        self._compiled = True
+        self.reporter.compiled(step=self.step + 1, seconds=seconds, first=first,
+                               cache=inductor_cache_dir() if first and self._inductor() else None)
+
+    def _inductor(self) -> bool:
+        assert self.pipeline is not None
+        return any(getattr(compiled_stage(s.module), "backend", None) == "inductor" for s in self.pipeline.stages)
 
     @property
     def _min_batch(self) -> int:
@@ -336,7 +352,10 @@ class Trainer:
                 )
             inputs, target = self._to_device(batch)  # the global batch: each replica trains its slice
             pm.zero_grad()
+            compiling = compile_seconds() if pm.plan.compile else None
             loss = float(pm.train_step(inputs, target, scaler=self.scaler))
+            if compiling is not None:
+                self._report_compile(compile_seconds() - compiling)
             if self.optimizer is not None and self.scaler is not None:
                 self.scaler.step(self.optimizer)  # skipped on every rank when any rank's gradients overflowed
                 self.scaler.update()
