@@ -64,16 +64,18 @@ def test_a_compiled_trainer_resumes_from_its_checkpoint_like_an_uninterrupted_ru
     assert_same_weights(weights(whole.model), weights(eager.model), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("factory,schedule,recompute", [
-    (tiny_gpt, "1f1b", False), (tiny_gpt, "zb-h1", False),
-    (tiny_gpt, "1f1b", "selective"),  # each block's region compiled inside its checkpoint (as with True)
-    (mlp, "1f1b", True),  # no blocks: each stage checkpointed whole, its compiled forward inside the checkpoint
+@pytest.mark.parametrize("factory,schedule,recompute,num_stages", [
+    (tiny_gpt, "1f1b", False, 2), (tiny_gpt, "zb-h1", False, 2), (tiny_gpt, "gpipe", False, 2),
+    # two stages a pipeline rank, looped or in a V; zero-bubble ones with their weight gradients deferred
+    (tiny_gpt, "interleaved", False, 4), (tiny_gpt, "zb-v", False, 4), (tiny_gpt, "zb-interleaved", False, 4),
+    (tiny_gpt, "1f1b", "selective", 2),  # each block's region compiled inside its checkpoint (as with True)
+    (mlp, "1f1b", True, 2),  # no blocks: each stage checkpointed whole, its compiled forward inside the checkpoint
 ])
-def test_compiled_stages_give_the_plain_models_gradients(factory, schedule, recompute) -> None:
+def test_compiled_stages_give_the_plain_models_gradients(factory, schedule, recompute, num_stages) -> None:
     model, x, y, loss_fn = factory(batch_size=8)
     ref = _reference(model, x, y, loss_fn)
     with compile_backend("aot_eager"):
-        pm = replica.auto_parallel(model, x, num_stages=2, num_microbatches=4, schedule=schedule,
+        pm = replica.auto_parallel(model, x, num_stages=num_stages, num_microbatches=4, schedule=schedule,
                                    recompute=recompute, loss_fn=loss_fn, compile=True)
     assert pm.plan.compile and all(compiled_stage(s.module) is not None for s in pm.stages)
     assert "compile: every stage through torch.compile" in pm.plan.summary()
