@@ -193,6 +193,23 @@ def test_a_given_plan_must_agree_on_compile() -> None:
         replica.auto_parallel(model, x, plan=plan, loss_fn=loss_fn, compile=True)
 
 
+def test_no_cpp_compiler_for_inductor_on_a_cpu_is_a_config_error(monkeypatch) -> None:
+    """Inductor builds a CPU stage's kernels in C++ at the first step: with no compiler (a slim
+    image) auto_parallel says so and what to do, instead of torch failing inside train_step."""
+    from torch._inductor import cpp_builder, exc
+
+    def no_compiler() -> str:
+        raise exc.InvalidCxxCompiler
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    model, x, _, loss_fn = mlp(batch_size=8)
+    with pytest.raises(ConfigError, match=r"compile=True compiles 2 CPU stage\(s\) with inductor.*no working C\+\+ "
+                                          r"compiler was found.*apt-get install g\+\+.*compile=False"):
+        replica.auto_parallel(model, x, num_stages=2, loss_fn=loss_fn, compile=True)
+    with compile_backend("aot_eager"):  # no C++ build: nothing to check
+        assert replica.auto_parallel(model, x, num_stages=2, loss_fn=loss_fn, compile=True).plan.compile
+
+
 @pytest.mark.slow
 def test_inductor_stages_give_the_plain_models_gradients() -> None:
     """The one test through inductor itself (its C++ build: tens of seconds here)."""

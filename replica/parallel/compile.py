@@ -45,13 +45,14 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
+from replica.errors import ConfigError
 from replica.partition.plan import Plan
 from replica.scoped import Scoped
 from replica.stage import weightgrad
 from replica.stage.checkpoint import CHECKPOINTED
 
-__all__ = ["compile_stage", "compile_backend", "compile_seconds", "inductor_cache_dir", "recompiles", "CompiledStage",
-           "compiled_stage", "runs_eagerly"]
+__all__ = ["compile_stage", "compile_backend", "compile_seconds", "check_cpu_compiler", "inductor_cache_dir",
+           "recompiles", "CompiledStage", "compiled_stage", "runs_eagerly"]
 
 _backend: Scoped[str] = Scoped("inductor")
 _COMPILED = "replica_compiled"  # the module attribute that holds its CompiledStage
@@ -150,6 +151,29 @@ def runs_eagerly(plan: Plan, stage_index: int) -> str:
     if not plan.compile:
         return "the plan does not compile"
     return ""
+
+
+def check_cpu_compiler(modules: list[torch.nn.Module], backend: str | None = None) -> None:
+    """Inductor builds a CPU stage's kernels in C++ at the first step: where none of ``modules``
+    (the stages about to compile) is on a GPU and no working C++ compiler is found, a
+    ``ConfigError`` now names the fix, instead of torch's error inside the first ``train_step``."""
+    if (backend or _backend.get()) != "inductor":
+        return
+    devices = {p.device.type for m in modules for p in m.parameters()}
+    if "cpu" not in devices and torch.cuda.is_available():
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # older torch: its own error at the first step
+        return
+    try:
+        get_cpp_compiler()
+    except Exception as exc:  # torch._inductor.exc.InvalidCxxCompiler
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise ConfigError(
+            f"compile=True compiles {len(modules)} CPU stage(s) with inductor, which builds C++ kernels, but no "
+            f"working C++ compiler was found ({said}). Install one (Debian / Ubuntu: apt-get install g++; or set "
+            "CXX to a compiler's path), or plan with compile=False (compile=None keeps CPU stages eager)") from exc
 
 
 def compile_stage(module: fx.GraphModule, *, deferring: bool = False, backend: str | None = None,

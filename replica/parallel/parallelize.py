@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from replica.parallel.compile import compile_stage, runs_eagerly
+from replica.parallel.compile import check_cpu_compiler, compile_stage, runs_eagerly
 from replica.parallel.experts import ExpertGroups, expert_groups, expert_parameters, place_experts
 from replica.parallel.float8 import float8_stage
 from replica.parallel.fsdp import shard_stage
@@ -169,7 +169,9 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, schedule: Schedule, m
             checkpoint_blocks(stage.module, blocks, selective=plan.stages[stage.stage_index].recompute == "selective")
     # 4. compilation: each stage's graph (compiled at its first call), where the plan compiles it
     static = set(plan.static_shape_stages) if mesh is not None else set()  # cut over a mesh: DTensors
-    for stage in (s for s in mine if not runs_eagerly(plan, s.stage_index)):
+    compiling = [s for s in mine if not runs_eagerly(plan, s.stage_index)]
+    check_cpu_compiler([s.module for s in compiling])
+    for stage in compiling:
         compile_stage(stage.module, deferring=stage.stage_index in flags.deferring,
                       static=stage.stage_index in static)
     # 5. sharded replicas: FSDP2 over the shard slice; their parameters become DTensor shards
