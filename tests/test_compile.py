@@ -86,6 +86,33 @@ def test_compiled_stages_give_the_plain_models_gradients(factory, schedule, reco
         assert not any("_orig_mod" in name for name in s.module.state_dict())
 
 
+def test_compiled_dropout_is_seeded_alike_across_schedules_and_recompute() -> None:
+    """Compiled stages draw each micro-batch's dropout masks as eager ones do: the same loss and
+    gradients under GPipe, 1F1B (checkpointed blocks replaying their masks) and ZB-H1, and through
+    aot_eager the eager run's. (Inductor draws its own numbers, alike across these schedules, checked
+    by hand; ``torch._inductor.config.fallback_random`` draws eager's.)"""
+    from tests.conftest import COMPUTE_BOUND
+    from tests.test_inputs_modes import Masked, batch, grads, token_loss
+
+    torch.manual_seed(0)
+    model = Masked(p=0.3)
+    ids, _, target = batch()
+    results = []
+    for compile_, schedule, recompute in [(False, "gpipe", False), (True, "gpipe", False), (True, "1f1b", True),
+                                          (True, "1f1b", "selective"), (True, "zb-h1", False)]:
+        model.zero_grad()
+        with compile_backend("aot_eager"):
+            pm = replica.auto_parallel(model, (ids,), num_stages=2, num_microbatches=4, schedule=schedule,
+                                       recompute=recompute, loss_fn=token_loss, device=COMPUTE_BOUND, compile=compile_)
+        assert any(s.uses_rng for s in pm.stages)
+        torch.manual_seed(123)
+        results.append((pm.train_step(ids, target), grads(model)))
+    for loss, got in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], rtol=1e-5, atol=1e-6)
+        for name, grad in got.items():
+            torch.testing.assert_close(grad, results[0][1][name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_zero_bubble_stages_still_defer_their_weight_gradients() -> None:
     """A traced linear backward would read the weight-gradient sink at compile time (none):
     W would find nothing to do. The deferred linears stay eager, so B leaves them to W."""
