@@ -44,5 +44,5 @@ def test_compile_seconds_are_said_and_recorded(capsys, tmp_path) -> None:
     assert lines == ["compile: 12.3 s in step 1, torch.compile's warm-up (its step rate counts it); inductor keeps "
                      "its graphs in /tmp/torchinductor_me: a later run compiles faster",
                      "compile: 1.5 s more in step 7, for inputs not seen before (a micro-batch size new to a "
-                     "static-shape stage)"], lines
+                     "static-shape stage, or a micro-batch of one sample: torch compiles it apart)"], lines
     assert '"event": "compile"' in metrics.read_text() and metrics.read_text().count("\n") == 2

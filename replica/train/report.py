@@ -94,8 +94,8 @@ class Reporter:
             self.say(f"compile: {seconds:.1f} s in step {step}, torch.compile's warm-up (its step rate counts it)"
                      f"{kept}")
         else:
-            self.say(f"compile: {seconds:.1f} s more in step {step}, for inputs not seen before "
-                     "(a micro-batch size new to a static-shape stage)")
+            self.say(f"compile: {seconds:.1f} s more in step {step}, for inputs not seen before (a micro-batch "
+                     "size new to a static-shape stage, or a micro-batch of one sample: torch compiles it apart)")
 
     def end_epoch(self, summary: dict[str, Any], num_epochs: int) -> None:
         if self._bar is not None:
