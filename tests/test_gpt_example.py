@@ -38,6 +38,15 @@ def test_precision_defaults_to_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
         train.parse_args()
 
 
+def test_compile_flag_is_auto_parallels_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    for flag, want in (([], None), (["--compile", "on"], True), (["--compile", "off"], False)):
+        monkeypatch.setattr(sys, "argv", ["train.py", *flag])
+        assert train.compile_choice(train.parse_args()) is want
+    monkeypatch.setattr(sys, "argv", ["train.py", "--compile", "yes"])
+    with pytest.raises(SystemExit):
+        train.parse_args()
+
+
 def test_bf16_trains_a_couple_of_steps() -> None:
     out = run_example("--precision", "bf16")
     assert "precision: bf16 autocast" in out

@@ -3,6 +3,7 @@
     python examples/gpt/train.py                   # 4 stages, 4 micro-batches, 1F1B, about 2 minutes on 2 CPU cores
     python examples/gpt/train.py --data input.txt --steps 2000 --schedule gpipe
     python examples/gpt/train.py --precision bf16   # bfloat16 autocast; fp16 adds replica.GradScaler
+    python examples/gpt/train.py --compile on       # every stage through torch.compile (auto: on for a GPU)
     torchrun --nproc-per-node 2 examples/gpt/train.py --threads 1   # 2 ranks over gloo, laid out by Replica
 
 Under torchrun (one node or several) every rank runs this same script, on the same batches;
@@ -49,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="what the stages compute in: fp32, or bf16 / fp16 autocast (fp32 weights and AdamW state; "
                    "fp16 scales the loss with replica.GradScaler)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile each stage: auto = the planner's rule (on for a GPU, off on a CPU, where "
+                   "inductor's C++ build costs tens of seconds), on / off = compile=True / False")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--log-every", type=int, default=100)
@@ -60,6 +64,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trainer", action="store_true",
                    help="train through replica.get_trainer (the Keras-like front door) instead of the loop")
     return p.parse_args()
+
+
+def compile_choice(args: argparse.Namespace) -> bool | None:
+    """``--compile`` as auto_parallel's ``compile``: None (the planner's rule), True or False."""
+    return {"auto": None, "on": True, "off": False}[args.compile]
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
@@ -111,6 +120,7 @@ def train_with_trainer(model: GPT, train_data: torch.Tensor, val_data: torch.Ten
         num_stages=args.num_stages, num_microbatches=args.num_microbatches, schedule=args.schedule,
         batch_size=args.batch_size, seed=args.seed, log_every_steps=args.log_every,
         mixed_precision=args.precision,  # fp16: the Trainer steps through its own replica.GradScaler
+        compile=compile_choice(args),
     )
     trainer = replica.get_trainer(config=config, model=model, loss=loss_fn,
                                   optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
@@ -174,6 +184,7 @@ def train_with_loop(model: GPT, train_data: torch.Tensor, val_data: torch.Tensor
         schedule=args.schedule,
         loss_fn=loss_fn,
         mixed_precision=args.precision,  # "fp32": no autocast; "bf16" / "fp16": each stage's forward under autocast
+        compile=compile_choice(args),  # None: on for a GPU, off on a CPU; the summary's "compile:" line says which
     )
     say(pm.plan.summary())
 
