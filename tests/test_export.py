@@ -14,6 +14,7 @@ import replica
 from replica.partition.trace import trace
 from tests.conftest import COMPUTE_BOUND
 from tests.grads import assert_same_grads
+from tests.models import tiny_gpt
 
 
 class ShapeBranch(nn.Module):
@@ -164,6 +165,9 @@ def test_plan_records_dynamic_dims_in_json_and_summary():
     again = replica.Plan.from_json(plan.to_json())
     assert again.dynamic_dims == ((0, 1),)
     assert "dynamic dims per input (others fixed by torch.export): input 0: 0, 1" in again.summary()
+    model, inputs, _, _ = tiny_gpt(8)
+    fx_plan = replica.plan(model, inputs, num_stages=2, device=COMPUTE_BOUND)
+    assert not fx_plan.dynamic_dims and "fixed by torch.export" not in fx_plan.summary()  # fx fixes no dim
 
 
 class Scaled(nn.Module):

@@ -123,8 +123,10 @@ def make_plan(traced: Traced, model: torch.nn.Module, request: PlanRequest) -> P
     starts = {e.action: e.start_s for e in simulate(schedule, costs, sizes=plan.relative_microbatch_sizes).events}
     actions = tuple(tuple(str(a) for a in rank) for rank in schedule)
     action_starts = tuple(tuple(starts[a] for a in rank) for rank in schedule)
+    # which dims a call may change: torch.export fixes the others; an fx graph takes any shape its code allows
+    dynamic = traced.dynamic_dims if traced.tracer == "export" else ()
     # the traced graph's own fingerprint (a tensor-parallel plan is priced on a copy with cut shapes)
-    return dataclasses.replace(plan, dynamic_dims=traced.dynamic_dims, actions=actions, action_starts=action_starts,
+    return dataclasses.replace(plan, dynamic_dims=dynamic, actions=actions, action_starts=action_starts,
                                graph_fingerprint=fingerprint(traced.graph))
 
 
