@@ -75,6 +75,13 @@ def test_visualize_writes_the_file(gpt, tmp_path):
     assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
 
 
+def test_html_says_whether_and_why_the_stages_compile(gpt, html):
+    assert "compile: off (compile=None for a model on the CPU" in html  # the planner's rule, in the header
+    model, idx, _, graph = gpt
+    compiled = replica.plan(model, (idx,), num_stages=NUM_STAGES, device="a100-80gb", cost="analytic", compile=True)
+    assert "compile: every stage through torch.compile (compile=True)" in render_html(compiled, graph=graph)
+
+
 def test_html_is_self_contained(html):
     assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", html, re.I)
     assert "http://" not in html and "https://" not in html
