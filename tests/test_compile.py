@@ -42,7 +42,7 @@ def test_the_trainer_config_plans_with_compile() -> None:
     assert replica.defaults.TrainerConfig(compile=True).planning()["compile"] is True
 
 
-def test_a_compiled_trainer_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path) -> None:
+def test_a_compiled_trainer_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path, capsys) -> None:
     """compile=True through the Trainer: batches of 32, 32 and 36 (the last's micro-batches another
     size), a run dying after step 4 and one resuming from its checkpoint of step 4 (another model
     seed: every weight from the checkpoint) end with the uninterrupted compiled run's weights, and
@@ -50,10 +50,13 @@ def test_a_compiled_trainer_resumes_from_its_checkpoint_like_an_uninterrupted_ru
     metrics = tmp_path / "metrics.jsonl"
     with compile_backend("aot_eager"):
         whole = run(None, compile=True, num_stages=2, model_seed=0,  # the seed the dying run starts from
-                    metrics_file=str(metrics))
+                    metrics_file=str(metrics), progress=True)
         assert all(compiled_stage(s.module) is not None for s in whole.pipeline.stages)
     # the warm-up's compile seconds, said once (step 1), none after (the uneven last batch: the batch dim dynamic)
     compiles = [e for e in map(json.loads, metrics.read_text().splitlines()) if e["event"] == "compile"]
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith("replica: 1 process: ") and ", fp32, compiled; weights: " in said[0], said[0]
+    assert said[1].startswith("compile: ") and " s in step 1, torch.compile's warm-up" in said[1], said[1]
     assert [(e["step"], e["first"]) for e in compiles] == [(1, True)] and compiles[0]["seconds"] > 0, compiles
     with compile_backend("aot_eager"):
         run(tmp_path, stop_at=4, compile=True, num_stages=2)

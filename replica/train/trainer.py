@@ -193,7 +193,8 @@ class Trainer:
                              world_size=self.world_size, weights=self._weights_source(checkpoint))
         micro = f"{p.num_microbatches} micro-batch{'es' if p.num_microbatches > 1 else ''}"
         self.reporter.say(f"replica: {self.world_size} process{'es' if self.world_size > 1 else ''}: "
-                          f"{p.layout.describe()}, {micro} per replica, {p.precision}; "
+                          f"{p.layout.describe()}, {micro} per replica, {p.precision}"
+                          f"{', compiled' if p.compile else ''}; "
                           f"weights: {self._weights_source(checkpoint)}")
 
     def _weights_source(self, checkpoint: Path | None) -> str:
