@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
                    "fp16 scales the loss with replica.GradScaler)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile each stage: auto = the planner's rule (on for a GPU, off on a CPU, where "
-                   "inductor's C++ build costs tens of seconds), on / off = compile=True / False")
+                   "inductor's C++ build costs 10-20 s a graph), on / off = compile=True / False")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--log-every", type=int, default=100)

@@ -34,7 +34,7 @@ def compile_choice(asked: bool | None, spec: DeviceSpec, weights_on: str, float8
     the same for every model: on where the plan is for a GPU and the weights are not on a CPU
     (torchtitan's published H100 table gains 1.16x from compile alone on Llama-3 8B, and a GPU
     step repays the compile seconds within a few hundred steps); off where the stages run on a
-    CPU, where inductor's C++ build costs tens of seconds per graph on a small machine
+    CPU, where inductor's C++ build costs 10-20 s a graph from a cold cache on a small machine
     (benchmarks/compile.py measures both): ``compile=True`` still compiles there. ``float8``
     turns None on: its casts are fused by the compiler."""
     if asked is None and float8:
@@ -43,7 +43,7 @@ def compile_choice(asked: bool | None, spec: DeviceSpec, weights_on: str, float8
         return asked, "compile=True" if asked else ""
     if target_device_type(spec) == "cpu" or weights_on == "cpu":
         where = spec.name if target_device_type(spec) == "cpu" else f"a model on the CPU (priced as {spec.name})"
-        return False, (f"compile=None for {where}: off by the planner's rule, inductor's CPU build costs tens of "
-                       "seconds per graph (benchmarks/compile.py); compile=True turns it on")
+        return False, (f"compile=None for {where}: off by the planner's rule, inductor's CPU build costs 10-20 s a "
+                       "graph from a cold cache (benchmarks/compile.py); compile=True turns it on")
     # on for now: make_plan prices the chosen layout eager too and keeps the faster (_compile_if_it_pays)
     return True, f"compile=None on {spec.name}: on by the planner's rule, a GPU repays the compile within the run"
