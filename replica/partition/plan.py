@@ -325,6 +325,12 @@ class Plan:
         return tuple(s.stage_index for s in self.stages if any(b.exit in s.node_names for b in self.experts))
 
     @property
+    def compile_said(self) -> str:
+        """:attr:`compile_line` where there is something to say (compiled, or off for a reason), else "":
+        what the summary and the HTML report print."""
+        return self.compile_line if self.compile or self.compile_note else ""
+
+    @property
     def compile_line(self) -> str:
         """One line on compilation: on or off, and why."""
         if not self.compile:
@@ -505,8 +511,8 @@ class Plan:
             f"bubble {self.bubble_fraction:.0%}"
         )
         lines.append(self.precision_note)
-        if self.compile or self.compile_note:
-            lines.append(self.compile_line)
+        if self.compile_said:
+            lines.append(self.compile_said)
         if self.tensor_parallel_note:
             lines.append(self.tensor_parallel_note)
         if self.data_parallel_note:

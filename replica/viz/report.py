@@ -122,7 +122,7 @@ def _header(fig: Figures) -> str:
         out.append(f'<div class="stat"><div class="k">{escape(name)}</div><div class="v">{escape(value)}</div>'
                    f'<div class="n">{escape(note)}</div></div>')
     notes = [plan.precision_note, plan.tensor_parallel_note, plan.data_parallel_note, plan.expert_parallel_note,
-             plan.compile_line if plan.compile or plan.compile_note else ""]
+             plan.compile_said]
     out.append("</div>" + "".join(f'<p class="note">{escape(n)}</p>' for n in notes if n) + "</header>")
     if not plan.exact:
         out.append('<p class="note">Large graph: cut at its cheapest candidate points, bottleneck within '
